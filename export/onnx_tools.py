@@ -1,0 +1,126 @@
+"""ONNX graph surgery: fold block-quantized weights to fp32, make the batch axis dynamic, inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from numpy.typing import NDArray
+from onnx import helper, numpy_helper
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return int(helper.get_attribute_value(attribute))
+    return default
+
+
+def dequantize(
+    quantized: NDArray[np.generic], scale: NDArray[np.float32], zero_point: NDArray[np.generic] | None,
+    axis: int, block_size: int,
+) -> NDArray[np.float32]:
+    """DequantizeLinear (opset 21) in numpy: per-tensor, per-axis or blocked along ``axis``."""
+    values = quantized.astype(np.float32)
+    zero = np.zeros_like(scale) if zero_point is None else zero_point.astype(np.float32)
+    if scale.size == 1:
+        return ((values - zero.reshape(())) * scale.reshape(())).astype(np.float32)
+    axis = axis % values.ndim
+    if block_size == 0:  # per axis
+        shape = [1] * values.ndim
+        shape[axis] = -1
+        return ((values - zero.reshape(shape)) * scale.reshape(shape)).astype(np.float32)
+    length = values.shape[axis]
+    full_scale = np.repeat(scale, block_size, axis=axis).take(range(length), axis=axis)
+    full_zero = np.repeat(zero, block_size, axis=axis).take(range(length), axis=axis)
+    return ((values - full_zero) * full_scale).astype(np.float32)
+
+
+def fold_weight_dequantization(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Replace DequantizeLinear (and a Reshape of its result) on constant weights by fp32 initializers.
+
+    Graph inputs that are only initializers (an old exporter habit) are dropped from the inputs, and
+    inputs nothing consumes are removed.
+    """
+    graph = model.graph
+    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    folded: dict[str, NDArray[np.float32]] = {}
+    dropped: set[str] = set()
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and all(name in constants for name in node.input):
+            zero = constants[node.input[2]] if len(node.input) > 2 and node.input[2] else None
+            folded[node.output[0]] = dequantize(
+                constants[node.input[0]], constants[node.input[1]], zero,
+                _attribute(node, "axis", 1), _attribute(node, "block_size", 0),
+            )
+            dropped.update(node.input)
+        elif node.op_type == "Reshape" and node.input[0] in folded and node.input[1] in constants:
+            shape = tuple(int(v) for v in constants[node.input[1]])
+            folded[node.output[0]] = folded.pop(node.input[0]).reshape(shape)
+            dropped.add(node.input[1])
+        else:
+            continue
+        node.op_type = "__folded__"
+    kept_nodes = [node for node in graph.node if node.op_type != "__folded__"]
+    del graph.node[:]
+    graph.node.extend(kept_nodes)
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    initializers = [init for init in graph.initializer if init.name not in dropped and init.name in used]
+    initializers += [numpy_helper.from_array(array, name) for name, array in folded.items() if name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    constant_names = {init.name for init in initializers}
+    inputs = [i for i in graph.input if i.name not in constant_names and i.name in used]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    return model
+
+
+def make_batch_dynamic(model: onnx.ModelProto, name: str = "batch") -> onnx.ModelProto:
+    """First axis of every graph input and output becomes a named dynamic dimension.
+
+    Intermediate shapes that pin the batch (a Reshape to [1, ...]) are rewritten to -1 / 0 where the
+    constant's first entry is 1.
+    """
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if dims:
+            dims[0].ClearField("dim_value")
+            dims[0].dim_param = name
+    del model.graph.value_info[:]
+    constants = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Reshape" and node.input[1] in constants:
+            shape = numpy_helper.to_array(constants[node.input[1]]).copy()
+            if shape.size and shape[0] == 1:
+                shape[0] = -1 if -1 not in shape[1:] else 0
+                constants[node.input[1]].CopyFrom(numpy_helper.from_array(shape, node.input[1]))
+    return model
+
+
+def convert_sface(source: Path, target: Path) -> Path:
+    """SFace int8 block-quantized (opset 21, batch 1) -> fp32 weights, dynamic batch."""
+    model = make_batch_dynamic(fold_weight_dequantization(onnx.load(str(source))))
+    onnx.checker.check_model(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    onnx.save(model, str(partial))
+    partial.replace(target)
+    return target
+
+
+def describe(path: Path) -> str:
+    """Inputs, outputs and opset of an ONNX file, for writing a model description."""
+    model = onnx.load(str(path), load_external_data=False)
+
+    def shape(value: onnx.ValueInfoProto) -> str:
+        dims = value.type.tensor_type.shape.dim
+        return "[" + ", ".join(d.dim_param or str(d.dim_value) for d in dims) + "]"
+
+    initializers = {init.name for init in model.graph.initializer}
+    opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
+    lines = [str(path), f"  opsets: {opsets}"]
+    lines += [f"  input  {i.name} {shape(i)}" for i in model.graph.input if i.name not in initializers]
+    lines += [f"  output {o.name} {shape(o)}" for o in model.graph.output]
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""ONNX Runtime sessions for the detector and embedder, in-process.
+
+Used by the CPU profile's Triton models (``model_repository/onnx_model``), by the export checks and
+by the benchmarks' ceiling and naive baseline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from facecore.processing import FloatArray
+from facecore.spec import ModelSpec
+
+
+def create_session(path: str | Path, intra_op_threads: int = 0, inter_op_threads: int = 1) -> ort.InferenceSession:
+    """A CPU session; 0 threads lets ONNX Runtime use one per core."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = inter_op_threads
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class OnnxDetector:
+    """``facecore.pipeline.Detector`` backed by an in-process ONNX Runtime session."""
+
+    def __init__(self, spec: ModelSpec, session: ort.InferenceSession) -> None:
+        self._spec, self._session = spec, session
+
+    def __call__(self, batch: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        loc, conf, landms = self._session.run(list(self._spec.output_names), {self._spec.input_name: batch})
+        return np.asarray(loc), np.asarray(conf), np.asarray(landms)
+
+
+class OnnxEmbedder:
+    """``facecore.pipeline.Embedder`` backed by an in-process ONNX Runtime session."""
+
+    def __init__(self, spec: ModelSpec, session: ort.InferenceSession) -> None:
+        self._spec, self._session = spec, session
+
+    def __call__(self, batch: FloatArray) -> FloatArray:
+        (out,) = self._session.run(list(self._spec.output_names), {self._spec.input_name: batch})
+        return np.asarray(out, dtype=np.float32)

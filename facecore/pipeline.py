@@ -1,0 +1,197 @@
+"""The face pipeline as plain functions: decode -> detect -> align -> embed, for a batch of images.
+
+The two network calls are injected (``Detector`` / ``Embedder``): inside Triton they are BLS calls
+(``model_repository/face_pipeline``), in tools and benchmarks they are ONNX Runtime sessions.
+One detector call covers every image of the batch and one embedder call every face of every image
+(each split only when above the model's maximum batch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Protocol
+
+import numpy as np
+
+from facecore.processing import (
+    DetectOptions,
+    Detections,
+    FloatArray,
+    ImageArray,
+    align_faces,
+    blur_scores,
+    l2_normalize,
+    letterbox,
+    postprocess_detections,
+    to_tensor,
+)
+from facecore.spec import ModelSpec, Role, spec_from_dict
+
+
+class Detector(Protocol):
+    def __call__(self, batch: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """NCHW input -> (loc [N,A,4], conf [N,A,2], landmarks [N,A,10])."""
+        ...
+
+
+class Embedder(Protocol):
+    def __call__(self, batch: FloatArray) -> FloatArray:
+        """NCHW aligned faces -> raw embeddings [N, D]."""
+        ...
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """Everything ``face_pipeline`` reads from its config.pbtxt parameters."""
+
+    detector: ModelSpec
+    embedder: ModelSpec
+    detector_max_batch: int = 8
+    embedder_max_batch: int = 64
+    score_threshold: float = 0.5
+    nms_iou: float = 0.4
+    max_faces: int = 100
+    min_face_size: float = 0.0
+    max_pixels: int = 40_000_000
+    detector_model: str = "face_detector"
+    embedder_model: str = "face_embedder"
+
+    def __post_init__(self) -> None:
+        if self.detector.role is not Role.DETECTOR or self.embedder.role is not Role.EMBEDDER:
+            raise ValueError("detector/embedder descriptions have the wrong roles")
+        if min(self.detector_max_batch, self.embedder_max_batch, self.max_faces, self.max_pixels) < 1:
+            raise ValueError("batch sizes, max_faces and max_pixels must be positive")
+        if not 0.0 <= self.score_threshold <= 1.0 or not 0.0 < self.nms_iou <= 1.0:
+            raise ValueError("score_threshold must be in [0, 1] and nms_iou in (0, 1]")
+
+    @property
+    def default_options(self) -> DetectOptions:
+        return DetectOptions(self.score_threshold, self.nms_iou, self.max_faces, self.min_face_size)
+
+    def to_parameters(self) -> dict[str, str]:
+        """String parameters for a Triton model config (specs as JSON)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {
+            key: json.dumps(asdict(value)) if isinstance(value, ModelSpec) else str(value)
+            for key, value in values.items()
+        }
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, str]) -> PipelineSettings:
+        """Inverse of ``to_parameters``; unknown keys are ignored, bad values raise ValueError."""
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            if f.name not in parameters:
+                continue
+            raw = parameters[f.name]
+            if f.name in ("detector", "embedder"):
+                values[f.name] = spec_from_dict(json.loads(raw))
+            else:
+                kind = {"int": int, "float": float, "str": str}[str(f.type)]
+                try:
+                    values[f.name] = kind(raw)
+                except ValueError as exc:
+                    raise ValueError(f"parameter {f.name}={raw!r} is not a valid {kind.__name__}") from exc
+        if "detector" not in values or "embedder" not in values:
+            raise ValueError("parameters 'detector' and 'embedder' (model descriptions) are required")
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class FaceResult:
+    """Pipeline output for one image."""
+
+    detections: Detections
+    embeddings: FloatArray  # [N, D], L2-normalized
+    blur: FloatArray  # [N], variance of the Laplacian of the aligned crop
+    crops: ImageArray  # [N, S, S, 3] aligned crops, BGR
+    width: int
+    height: int
+
+
+def validate_options(
+    settings: PipelineSettings,
+    score_threshold: float | None = None,
+    max_faces: int | None = None,
+    min_face_size: float | None = None,
+) -> DetectOptions:
+    """Per-request settings merged over the defaults; ValueError names a bad one."""
+    defaults = settings.default_options
+    threshold = defaults.score_threshold if score_threshold is None else float(score_threshold)
+    faces = defaults.max_faces if max_faces is None else int(max_faces)
+    min_size = defaults.min_face_size if min_face_size is None else float(min_face_size)
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"score_threshold must be in [0, 1], got {threshold}")
+    if not 1 <= faces <= settings.max_faces:
+        raise ValueError(f"max_faces must be in [1, {settings.max_faces}], got {faces}")
+    if not 0.0 <= min_size <= 1e5:
+        raise ValueError(f"min_face_size must be >= 0 pixels, got {min_size}")
+    return DetectOptions(threshold, defaults.nms_iou, faces, min_size)
+
+
+def _chunks(count: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+def detect(
+    images: Sequence[ImageArray], options: Sequence[DetectOptions], settings: PipelineSettings, detector: Detector
+) -> list[Detections]:
+    """Letterbox every image to the detector size, run the detector once per max batch, post-process."""
+    spec = settings.detector
+    width, height = spec.input_size
+    fill = spec.mean[::-1] if spec.swap_rb else spec.mean  # canvas is BGR; pad with the mean colour
+    boxed = [letterbox(image, width, height, fill) for image in images]
+    batch = to_tensor(np.stack([canvas for canvas, _ in boxed]), spec.swap_rb, spec.mean, spec.std)
+    outputs = [detector(batch[part]) for part in _chunks(len(images), settings.detector_max_batch)]
+    loc, conf, landms = (np.concatenate([out[i] for out in outputs]) for i in range(3))
+    return [
+        postprocess_detections(
+            loc[i], conf[i], landms[i], (width, height), scale,
+            (image.shape[1], image.shape[0]), option,
+        )
+        for i, (image, (_, scale), option) in enumerate(zip(images, boxed, options, strict=True))
+    ]
+
+
+def embed(crops: ImageArray, settings: PipelineSettings, embedder: Embedder) -> FloatArray:
+    """Aligned crops [N,S,S,3] BGR -> L2-normalized embeddings [N, D]; no call when N = 0."""
+    spec = settings.embedder
+    if crops.shape[0] == 0:
+        return np.zeros((0, spec.embedding_dim), dtype=np.float32)
+    batch = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
+    raw = np.concatenate([embedder(batch[part]) for part in _chunks(len(batch), settings.embedder_max_batch)])
+    if raw.shape != (len(batch), spec.embedding_dim):
+        raise ValueError(f"embedder returned shape {raw.shape}, expected ({len(batch)}, {spec.embedding_dim})")
+    return l2_normalize(raw)
+
+
+def run_pipeline(
+    images: Sequence[ImageArray],
+    options: Sequence[DetectOptions],
+    settings: PipelineSettings,
+    detector: Detector,
+    embedder: Embedder,
+) -> list[FaceResult]:
+    """Decoded BGR images -> faces with embeddings, one result per image, in order."""
+    if not images:
+        return []
+    detections = detect(images, options, settings, detector)
+    size = settings.embedder.input_size[0]
+    crops = [align_faces(image, found.landmarks, size) for image, found in zip(images, detections, strict=True)]
+    all_crops = np.concatenate(crops) if crops else np.zeros((0, size, size, 3), np.uint8)
+    embeddings = embed(all_crops, settings, embedder)
+    blur = blur_scores(all_crops)
+    bounds = np.cumsum([0, *(len(found) for found in detections)])
+    return [
+        FaceResult(
+            detections=found,
+            embeddings=embeddings[bounds[i] : bounds[i + 1]],
+            blur=blur[bounds[i] : bounds[i + 1]],
+            crops=crops[i],
+            width=int(image.shape[1]),
+            height=int(image.shape[0]),
+        )
+        for i, (image, found) in enumerate(zip(images, detections, strict=True))
+    ]

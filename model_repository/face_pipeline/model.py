@@ -1,0 +1,134 @@
+"""``face_pipeline``: a Triton Python-backend BLS model.
+
+decode -> letterbox -> ONE ``face_detector`` call for every image of the execute -> prior decode +
+NMS -> 5-point alignment -> ONE ``face_embedder`` call for every face -> L2 normalize.
+The work itself is ``facecore.pipeline``; this file only converts Triton requests to numpy and back.
+A request with a bad image or bad settings gets its own INVALID_ARG error; the others still succeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cv2
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from facecore.pipeline import FaceResult, PipelineSettings, run_pipeline, validate_options
+from facecore.processing import (
+    DetectOptions,
+    FloatArray,
+    ImageArray,
+    decode_image,
+    postprocess_detections,
+    prior_boxes,
+)
+from facecore.triton_config import parameters
+
+
+def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+    """One synchronous BLS call; a Triton error becomes an exception."""
+    request = pb_utils.InferenceRequest(
+        model_name=model_name,
+        requested_output_names=outputs,
+        inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+    )
+    response = request.exec()
+    if response.has_error():
+        raise pb_utils.TritonModelException(f"{model_name}: {response.error().message()}")
+    return [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs]
+
+
+def optional_scalar(request: Any, name: str) -> Any:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
+
+
+def read_request(request: Any, settings: PipelineSettings) -> tuple[ImageArray, DetectOptions, bool]:
+    """The request's decoded image, detection options and whether crops are wanted."""
+    encoded = pb_utils.get_input_tensor_by_name(request, "IMAGE").as_numpy().reshape(-1)
+    if encoded.size != 1:
+        raise ValueError(f"IMAGE must hold exactly one encoded image, got {encoded.size}")
+    options = validate_options(
+        settings,
+        score_threshold=optional_scalar(request, "SCORE_THRESHOLD"),
+        max_faces=optional_scalar(request, "MAX_FACES"),
+        min_face_size=optional_scalar(request, "MIN_FACE_SIZE"),
+    )
+    image = decode_image(bytes(encoded[0]), settings.max_pixels)
+    return image, options, bool(optional_scalar(request, "RETURN_CROPS"))
+
+
+def to_response(result: FaceResult, with_crops: bool) -> Any:
+    """Outputs carry a leading batch axis of 1 (max_batch_size > 0)."""
+    found = result.detections
+    crops = result.crops if with_crops else result.crops[:0]
+    arrays = {
+        "BOXES": found.boxes,
+        "SCORES": found.scores,
+        "LANDMARKS": found.landmarks,
+        "EMBEDDINGS": result.embeddings,
+        "BLUR": result.blur,
+        "IMAGE_SIZE": np.array([result.width, result.height], dtype=np.int32),
+        "CROPS": crops,
+    }
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(a[None])) for name, a in arrays.items()]
+    )
+
+
+def invalid(message: str) -> Any:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+
+
+def warm_up_python(settings: PipelineSettings) -> None:
+    """Touch the decoder and the numpy post-processing once so the first request does not pay for it."""
+    width, height = settings.detector.input_size
+    anchors = prior_boxes(height, width).shape[0]
+    zeros = np.zeros((anchors, 4), np.float32)
+    postprocess_detections(zeros, np.zeros((anchors, 2), np.float32), np.zeros((anchors, 10), np.float32),
+                           (width, height), np.ones(2, np.float32), (width, height), settings.default_options)
+    ok, encoded = cv2.imencode(".png", np.zeros((8, 8, 3), np.uint8))
+    if ok:
+        decode_image(encoded.tobytes(), settings.max_pixels)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        self.settings = PipelineSettings.from_parameters(parameters(args["model_config"]))
+        detector, embedder = self.settings.detector, self.settings.embedder
+        self.detector_io = (detector.input_name, list(detector.output_names))
+        self.embedder_io = (embedder.input_name, list(embedder.output_names))
+        warm_up_python(self.settings)
+
+    def detect(self, batch: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        name, outputs = self.detector_io
+        loc, conf, landms = bls(self.settings.detector_model, {name: batch}, outputs)
+        return loc, conf, landms
+
+    def embed(self, batch: FloatArray) -> FloatArray:
+        name, outputs = self.embedder_io
+        (out,) = bls(self.settings.embedder_model, {name: batch}, outputs)
+        return out
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        accepted: list[tuple[int, ImageArray, DetectOptions, bool]] = []
+        for index, request in enumerate(requests):
+            try:
+                accepted.append((index, *read_request(request, self.settings)))
+            except ValueError as exc:  # ImageError is a ValueError
+                responses[index] = invalid(str(exc))
+        if not accepted:
+            return responses
+        indices, images, options, crops = zip(*accepted, strict=True)
+        try:
+            results = run_pipeline(images, options, self.settings, self.detect, self.embed)
+        except Exception as exc:  # a failed model call fails this execute's requests, not the server
+            error = pb_utils.TritonError(f"face_pipeline: {exc}")
+            for index in indices:
+                responses[index] = pb_utils.InferenceResponse(error=error)
+            return responses
+        for index, result, with_crops in zip(indices, results, crops, strict=True):
+            responses[index] = to_response(result, with_crops)
+        return responses

@@ -1,0 +1,222 @@
+"""Start the tritonserver bundled in the ``nvidia-pytriton`` wheel, wait for the models, stop it cleanly.
+
+The wheel carries a complete tritonserver 2.51 with the Python backend only. This module prepares
+what the binary needs (the Python-backend stub for this interpreter, the virtualenv first on PATH so
+the stub finds numpy, libpython on LD_LIBRARY_PATH), binds to 127.0.0.1 and uses a per-run
+shared-memory prefix so that stopping it removes exactly its own ``/dev/shm`` files.
+
+    python -m service.launcher --model-repository model_repository/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODELS = ("face_detector", "face_embedder", "face_pipeline")
+
+
+class TritonStartError(RuntimeError):
+    """The server exited or its models did not become ready in time."""
+
+
+@dataclass(frozen=True)
+class TritonPorts:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+
+def bundled_server_dir() -> Path:
+    """``site-packages/pytriton/tritonserver`` of the installed wheel."""
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise TritonStartError(
+            "tritonserver is not installed: `pip install nvidia-pytriton==0.7.0` (the `server` extra) "
+            "or run Triton from the NGC container"
+        ) from exc
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def _install_stub(server_dir: Path) -> None:
+    """Copy the Python-backend stub for this interpreter next to libtriton_python.so (as PyTriton does)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    target = server_dir / "backends" / "python" / "triton_python_backend_stub"
+    source = server_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not source.exists():
+        raise TritonStartError(f"the wheel has no Python-backend stub for Python {version}")
+    if not target.exists() or target.stat().st_size != source.stat().st_size:
+        shutil.copy2(source, target)
+
+
+def server_environment() -> dict[str, str]:
+    """PATH with this interpreter's bin first (the stub finds the venv via ``python3``), libpython visible."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    libdirs = [sysconfig.get_config_var("LIBDIR") or "", env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(d for d in libdirs if d)
+    return env
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver child process. Use as a context manager, or ``start()`` / ``stop()``."""
+
+    model_repository: Path
+    ports: TritonPorts = field(default_factory=TritonPorts)
+    models: tuple[str, ...] = DEFAULT_MODELS
+    explicit: bool = False  # --model-control-mode=explicit, loading ``models``
+    log_file: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    shm_prefix: str = field(default_factory=lambda: f"facerec_{uuid.uuid4().hex[:8]}_")
+    _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    def command(self) -> list[str]:
+        server_dir = bundled_server_dir()
+        args = [
+            str(server_dir / "bin" / "tritonserver"),
+            f"--model-repository={self.model_repository.resolve()}",
+            f"--backend-directory={server_dir / 'backends'}",
+            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+            f"--http-port={self.ports.http}", f"--grpc-port={self.ports.grpc}",
+            f"--metrics-port={self.ports.metrics}",
+            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
+            "--cuda-memory-pool-byte-size=0:0",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            "--exit-timeout-secs=5", "--log-verbose=0",
+        ]
+        if self.explicit:
+            args.append("--model-control-mode=explicit")
+            args += [f"--load-model={name}" for name in self.models]
+        return [*args, *self.extra_args]
+
+    def start(self, timeout: float = 120.0) -> TritonServer:
+        if not self.model_repository.is_dir():
+            raise TritonStartError(f"no model repository at {self.model_repository}: run `python -m export defaults`")
+        _install_stub(bundled_server_dir())
+        output = self.log_file.open("ab") if self.log_file else None
+        log.info("starting tritonserver on 127.0.0.1 (http %d, grpc %d, metrics %d)",
+                 self.ports.http, self.ports.grpc, self.ports.metrics)
+        self._process = subprocess.Popen(
+            self.command(), env=server_environment(), stdout=output, stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+        )
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _get(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}{path}", timeout=2) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def models_ready(self) -> dict[str, bool]:
+        return {name: self._get(f"/v2/models/{name}/ready") == 200 for name in self.models}
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                raise TritonStartError(f"tritonserver exited with code {self._process.returncode}")
+            if self._get("/v2/health/live") == 200 and all(self.models_ready().values()):
+                log.info("tritonserver ready: %s", ", ".join(self.models))
+                return
+            time.sleep(0.25)
+        raise TritonStartError(f"models not ready after {timeout:.0f} s: {json.dumps(self.models_ready())}")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed; then remove this run's /dev/shm regions."""
+        process, self._process = self._process, None
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning("tritonserver did not exit after SIGTERM; killing it")
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+            code = process.returncode
+        for leftover in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            leftover.unlink(missing_ok=True)
+        return code
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def __enter__(self) -> TritonServer:
+        return self.start() if self._process is None else self
+
+    def __exit__(self, *exc: object | TracebackType) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = Path(__file__).resolve().parent.parent
+    parser = argparse.ArgumentParser(prog="python -m service.launcher", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-repository", type=Path, default=root / "model_repository" / "cpu")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the models")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = TritonServer(args.model_repository, TritonPorts(args.http_port, args.grpc_port, args.metrics_port))
+    stop = {"now": False}
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        server.start(args.timeout)
+    except TritonStartError as exc:
+        log.error("%s", exc)
+        return 1
+    log.info("gRPC %s, HTTP %s, metrics http://127.0.0.1:%d/metrics; Ctrl-C stops it",
+             server.grpc_url, server.http_url, args.metrics_port)
+    while not stop["now"] and server.running:
+        time.sleep(0.5)
+    code = server.stop()
+    log.info("tritonserver stopped (exit code %s)", code)
+    return 0 if stop["now"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
