@@ -1,0 +1,47 @@
+# The two commands a newcomer needs (see README.md):
+#   make run    set up everything (venv, dependencies, weights, model repository) and run the service
+#   make test   set up everything and run the test suite (what CI runs, through .ci/run)
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# PyTorch is only needed to export PyTorch checkpoints (and their tests). This pin is the CPU wheel that
+# lies on the project's machines; elsewhere pick one from https://pytorch.org (any 2.4 <= v < 2.15).
+TORCH ?= torch==2.13.0
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+
+.PHONY: run test setup models photos lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.runtime: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[server]'
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.runtime
+	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,dev,export]'
+	touch $@
+
+setup: $(VENV)/.runtime
+
+models: setup
+	$(PY) -m export defaults
+
+photos: setup
+	$(PY) -m export photos
+
+run: models
+	$(PY) -m service.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: $(VENV)/.test models photos
+	$(PY) -m pytest
+
+lint: $(VENV)/.test
+	$(PY) -m ruff check .
+	$(PY) -m mypy facecore export service gallery
+
+clean:
+	rm -rf $(VENV) artifacts model_repository/cpu model_repository/gpu

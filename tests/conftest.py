@@ -1,0 +1,69 @@
+"""Shared fixtures: real photos, the default models, and one real Triton server per test session."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from export.defaults import DefaultModels, prepare_default_models
+from export.fetch import fetch_photos
+from export.repository import Profile, RepositoryPlan, write_repository
+from service.launcher import TritonPorts, TritonServer
+from service.pipeline_client import PipelineClient
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@pytest.fixture(scope="session")
+def photos() -> dict[str, Path]:
+    """Real photos fetched by pinned version + sha256 (see export/fetch.py)."""
+    return fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
+
+
+@pytest.fixture(scope="session")
+def photo_bytes(photos: dict[str, Path]) -> dict[str, bytes]:
+    return {name: path.read_bytes() for name, path in photos.items()}
+
+
+@pytest.fixture(scope="session")
+def default_models() -> DefaultModels:
+    return prepare_default_models(ARTIFACTS)
+
+
+@pytest.fixture(scope="session")
+def cpu_repository(default_models: DefaultModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh CPU-profile repository written by the exporter, private to this test session."""
+    out = tmp_path_factory.mktemp("repository") / "cpu"
+    plan = RepositoryPlan(Profile.CPU, default_models.detector, default_models.embedder)
+    return write_repository(plan, out, default_models.detector_file, default_models.embedder_file)
+
+
+@pytest.fixture(scope="session")
+def triton(cpu_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """The tritonserver from the nvidia-pytriton wheel serving the three models."""
+    log_file = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    server = TritonServer(cpu_repository, TritonPorts(*free_ports(3)), log_file=log_file)
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pipeline(triton: TritonServer) -> Iterator[PipelineClient]:
+    client = PipelineClient(triton.grpc_url)
+    yield client
+    client.close()

@@ -1,0 +1,163 @@
+"""``model_repository/face_pipeline/model.py`` and ``onnx_model/model.py`` against a fake pb_utils.
+
+The fake answers BLS calls with the real ONNX models in-process, so these tests check what
+model.py does with Triton's request/response objects: one detector call per execute, one embedder
+call for all faces, none when there are no faces, and per-request errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from export.defaults import DefaultModels
+from facecore.onnx_runtime import create_session
+from tests.conftest import ROOT
+from tests.fakes import triton_python_backend_utils as fake
+
+PIPELINE_SOURCE = ROOT / "model_repository" / "face_pipeline" / "model.py"
+ONNX_SOURCE = ROOT / "model_repository" / "onnx_model" / "model.py"
+
+
+def load_model_module(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fake_pb_utils(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    fake.BLS_HANDLERS.clear()
+    fake.BLS_CALLS.clear()
+    yield fake
+    fake.BLS_HANDLERS.clear()
+    fake.BLS_CALLS.clear()
+
+
+def _config(repository: Path, model: str) -> str:
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    message = text_format.Parse((repository / model / "config.pbtxt").read_text(), mc.ModelConfig())
+    return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True))
+
+
+@pytest.fixture
+def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels) -> object:
+    """face_pipeline's TritonPythonModel wired to the real ONNX models through the fake BLS."""
+    detector = create_session(default_models.detector_file)
+    embedder = create_session(default_models.embedder_file)
+    det_spec, emb_spec = default_models.detector, default_models.embedder
+
+    def run_detector(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = detector.run(list(det_spec.output_names), {det_spec.input_name: inputs[det_spec.input_name]})
+        return dict(zip(det_spec.output_names, outputs, strict=True))
+
+    def run_embedder(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        (out,) = embedder.run(list(emb_spec.output_names), {emb_spec.input_name: inputs[emb_spec.input_name]})
+        return {emb_spec.output_names[0]: out}
+
+    fake_pb_utils.BLS_HANDLERS.update(face_detector=run_detector, face_embedder=run_embedder)
+    module = load_model_module(PIPELINE_SOURCE, "face_pipeline_model")
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": _config(cpu_repository, "face_pipeline"), "model_version": "1"})
+    return model
+
+
+def request(image: bytes, **optional: np.ndarray) -> fake.InferenceRequest:
+    tensors = [fake.Tensor("IMAGE", np.array([[image]], dtype=np.object_))]
+    tensors += [fake.Tensor(name, value) for name, value in optional.items()]
+    return fake.InferenceRequest(inputs=tensors)
+
+
+def calls_to(model: str) -> list[dict[str, np.ndarray]]:
+    return [inputs for name, inputs in fake.BLS_CALLS if name == model]
+
+
+def test_one_detector_and_one_embedder_call_for_the_whole_execute(
+    pipeline_model: object, photo_bytes: dict[str, bytes]
+) -> None:
+    names = ["t1.jpg", "obama.jpg", "coffee.png", "biden.jpg"]
+    responses = pipeline_model.execute([request(photo_bytes[n]) for n in names])  # type: ignore[attr-defined]
+    counts = [r.output("SCORES").shape[1] for r in responses]
+    assert counts == [6, 1, 0, 1]
+    (detector_call,) = calls_to("face_detector")
+    assert detector_call["input"].shape == (4, 3, 640, 640)
+    (embedder_call,) = calls_to("face_embedder")
+    assert embedder_call["data"].shape == (8, 3, 112, 112)
+    for response, count in zip(responses, counts, strict=True):
+        assert response.output("BOXES").shape == (1, count, 4)
+        assert response.output("LANDMARKS").shape == (1, count, 5, 2)
+        embeddings = response.output("EMBEDDINGS")
+        assert embeddings.shape == (1, count, 128)
+        np.testing.assert_allclose(np.linalg.norm(embeddings[0], axis=1), 1.0, rtol=1e-5)
+        assert response.output("CROPS").shape == (1, 0, 112, 112, 3)
+    assert responses[0].output("IMAGE_SIZE").tolist() == [[1280, 886]]
+
+
+def test_no_face_makes_no_embedder_call(pipeline_model: object, photo_bytes: dict[str, bytes]) -> None:
+    (response,) = pipeline_model.execute([request(photo_bytes["coffee.png"])])  # type: ignore[attr-defined]
+    assert response.output("EMBEDDINGS").shape == (1, 0, 128)
+    assert response.output("BOXES").shape == (1, 0, 4)
+    assert calls_to("face_embedder") == []
+    assert len(calls_to("face_detector")) == 1
+
+
+def test_bad_request_fails_alone(pipeline_model: object, photo_bytes: dict[str, bytes]) -> None:
+    batch = [
+        request(b"not an image"),
+        request(photo_bytes["obama.jpg"]),
+        request(b""),
+        request(photo_bytes["obama2.jpg"], SCORE_THRESHOLD=np.array([[1.5]], np.float32)),
+        request(photo_bytes["obama3.jpg"], MAX_FACES=np.array([[1]], np.int32),
+                RETURN_CROPS=np.array([[True]])),
+    ]
+    responses = pipeline_model.execute(batch)  # type: ignore[attr-defined]
+    errors = [r.error() for r in responses]
+    assert [e is not None for e in errors] == [True, False, True, True, False]
+    assert all(e.code() == fake.TritonError.INVALID_ARG for e in errors if e is not None)
+    assert "not a decodable image" in errors[0].message()  # type: ignore[union-attr]
+    assert "empty image" in errors[2].message()  # type: ignore[union-attr]
+    assert "score_threshold" in errors[3].message()  # type: ignore[union-attr]
+    assert responses[1].output("SCORES").shape == (1, 1)
+    assert responses[4].output("CROPS").shape == (1, 1, 112, 112, 3)
+    (detector_call,) = calls_to("face_detector")
+    assert detector_call["input"].shape[0] == 2
+
+
+def test_model_failure_fails_the_execute_not_the_process(
+    pipeline_model: object, fake_pb_utils: ModuleType, photo_bytes: dict[str, bytes]
+) -> None:
+    def broken(_: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError("embedder is down")
+
+    fake_pb_utils.BLS_HANDLERS["face_embedder"] = broken
+    responses = pipeline_model.execute([request(photo_bytes["obama.jpg"]), request(b"junk")])  # type: ignore[attr-defined]
+    assert "embedder is down" in responses[0].error().message()
+    assert responses[1].error().code() == fake.TritonError.INVALID_ARG
+
+
+def test_onnx_model_merges_requests_of_the_same_shape(
+    fake_pb_utils: ModuleType, cpu_repository: Path
+) -> None:
+    module = load_model_module(ONNX_SOURCE, "onnx_model")
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": _config(cpu_repository, "face_embedder"),
+                      "model_repository": str(cpu_repository / "face_embedder"), "model_version": "1"})
+    rng = np.random.default_rng(0)
+    batches = [rng.uniform(0, 255, (n, 3, 112, 112)).astype(np.float32) for n in (2, 1, 3)]
+    requests = [fake.InferenceRequest(inputs=[fake.Tensor("data", b)]) for b in batches]
+    responses = model.execute(requests)
+    alone = [model.session.run(["fc1"], {"data": b})[0] for b in batches]
+    for response, expected in zip(responses, alone, strict=True):
+        np.testing.assert_allclose(response.output("fc1"), expected, atol=1e-4)

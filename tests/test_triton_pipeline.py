@@ -1,0 +1,127 @@
+"""``face_pipeline`` over gRPC against the real tritonserver (from the nvidia-pytriton wheel)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import cv2
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from export.defaults import DefaultModels
+from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
+from facecore.pipeline import PipelineSettings, run_pipeline
+from facecore.processing import decode_image
+from service.launcher import TritonServer
+from service.pipeline_client import PipelineClient, PipelineError
+
+pytestmark = pytest.mark.triton
+
+EXPECTED_FACES = {"t1.jpg": 6, "obama.jpg": 1, "obama2.jpg": 1, "obama3.jpg": 1, "biden.jpg": 1,
+                  "astronaut.png": 1, "coffee.png": 0}
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_group_photo_has_six_faces(pipeline: PipelineClient, photo_bytes: dict[str, bytes]) -> None:
+    faces = pipeline.infer(photo_bytes["t1.jpg"])
+    assert len(faces) == 6
+    assert (faces.width, faces.height) == (1280, 886)
+    assert faces.embeddings.shape == (6, 128)
+    np.testing.assert_allclose(np.linalg.norm(faces.embeddings, axis=1), 1.0, rtol=1e-5)
+    assert np.all(faces.boxes[:, :2] >= 0) and np.all(faces.boxes[:, 2] <= 1280) and np.all(faces.boxes[:, 3] <= 886)
+    assert np.all(faces.boxes[:, 2:] > faces.boxes[:, :2])
+    # every landmark lies inside its face box (a sign the coordinate mapping is right)
+    inside = (faces.landmarks >= faces.boxes[:, None, :2] - 2) & (faces.landmarks <= faces.boxes[:, None, 2:] + 2)
+    assert inside.all()
+    assert np.all(np.diff(faces.scores) <= 0) and faces.scores.min() >= 0.5
+
+
+def test_same_person_is_closer_than_another_person(pipeline: PipelineClient, photo_bytes: dict[str, bytes]) -> None:
+    obama = [pipeline.infer(photo_bytes[n]).embeddings[0] for n in ("obama.jpg", "obama2.jpg", "obama3.jpg")]
+    biden = pipeline.infer(photo_bytes["biden.jpg"]).embeddings[0]
+    same = [cosine(a, b) for i, a in enumerate(obama) for b in obama[i + 1 :]]
+    different = [cosine(a, biden) for a in obama]
+    assert min(same) > max(different)
+    assert min(same) > 0.6 and max(different) < 0.4  # SFace: same ~0.7-0.8, different < 0.3 on these photos
+
+
+def test_photo_without_face_returns_empty_outputs(pipeline: PipelineClient, photo_bytes: dict[str, bytes]) -> None:
+    faces = pipeline.infer(photo_bytes["coffee.png"])
+    assert len(faces) == 0
+    assert faces.boxes.shape == (0, 4) and faces.landmarks.shape == (0, 5, 2) and faces.embeddings.shape == (0, 128)
+    assert (faces.width, faces.height) == (600, 400)
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00" * 64, b"GIF89a" + b"\x00" * 32, "truncated"])
+def test_corrupt_bytes_are_invalid_argument_and_server_keeps_serving(
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes], payload: bytes | str
+) -> None:
+    data = photo_bytes["obama.jpg"][:200] if payload == "truncated" else payload
+    assert isinstance(data, bytes)
+    with pytest.raises(PipelineError) as caught:
+        pipeline.infer(data)
+    assert caught.value.invalid_input, caught.value.status
+    assert len(pipeline.infer(photo_bytes["obama.jpg"])) == 1
+
+
+def test_image_above_the_pixel_limit_is_refused_before_decoding(pipeline: PipelineClient) -> None:
+    ok, png = cv2.imencode(".png", np.zeros((8000, 6000, 3), np.uint8))  # 48 MP > 40 MP default limit
+    assert ok
+    with pytest.raises(PipelineError, match="above the limit"):
+        pipeline.infer(png.tobytes())
+
+
+@pytest.mark.parametrize("extension", [".webp", ".bmp", ".png", ".jpg"])
+def test_accepted_formats(pipeline: PipelineClient, photos: dict[str, object], extension: str) -> None:
+    image = cv2.imread(str(photos["obama.jpg"]))
+    ok, encoded = cv2.imencode(extension, image)
+    assert ok
+    assert len(pipeline.infer(encoded.tobytes())) == 1
+
+
+def test_per_request_settings(pipeline: PipelineClient, photo_bytes: dict[str, bytes]) -> None:
+    group = photo_bytes["t1.jpg"]
+    assert len(pipeline.infer(group, max_faces=2)) == 2
+    smallest = pipeline.infer(group).boxes
+    sides = np.minimum(smallest[:, 2] - smallest[:, 0], smallest[:, 3] - smallest[:, 1])
+    threshold = float(np.median(sides))
+    assert len(pipeline.infer(group, min_face_size=threshold)) == int((sides >= threshold).sum())
+    assert len(pipeline.infer(group, score_threshold=1.0)) <= 6
+    crops = pipeline.infer(group, return_crops=True).crops
+    assert crops.shape == (6, 112, 112, 3) and crops.std() > 10
+    with pytest.raises(PipelineError, match="max_faces"):
+        pipeline.infer(group, max_faces=0)
+
+
+def test_server_results_equal_the_in_process_pipeline(
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes], default_models: DefaultModels
+) -> None:
+    settings = PipelineSettings(default_models.detector, default_models.embedder)
+    detector = OnnxDetector(default_models.detector, create_session(default_models.detector_file))
+    embedder = OnnxEmbedder(default_models.embedder, create_session(default_models.embedder_file))
+    image = decode_image(photo_bytes["t1.jpg"], settings.max_pixels)
+    (local,) = run_pipeline([image], [settings.default_options], settings, detector, embedder)
+    remote = pipeline.infer(photo_bytes["t1.jpg"])
+    np.testing.assert_allclose(remote.boxes, local.detections.boxes, atol=1e-2)
+    np.testing.assert_allclose(remote.landmarks, local.detections.landmarks, atol=1e-2)
+    np.testing.assert_allclose(remote.embeddings, local.embeddings, atol=1e-4)
+
+
+def test_twenty_concurrent_mixed_requests(
+    triton: TritonServer, pipeline: PipelineClient, photo_bytes: dict[str, bytes]
+) -> None:
+    names = [list(EXPECTED_FACES)[i % len(EXPECTED_FACES)] for i in range(20)]
+    stats = grpcclient.InferenceServerClient(triton.grpc_url)
+    before = stats.get_inference_statistics("face_pipeline", as_json=True)["model_stats"][0]
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        counts = list(pool.map(lambda n: len(pipeline.infer(photo_bytes[n])), names))
+    assert counts == [EXPECTED_FACES[n] for n in names]
+    after = stats.get_inference_statistics("face_pipeline", as_json=True)["model_stats"][0]
+    requests = int(after["inference_count"]) - int(before.get("inference_count", 0))
+    executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
+    assert requests == 20
+    assert executions < requests, "dynamic batching should merge concurrent requests into fewer executions"
