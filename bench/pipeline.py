@@ -1,0 +1,123 @@
+"""``face_pipeline`` latency and throughput over gRPC, for a 1-face and a 6-face photo.
+
+    python -m bench.pipeline                 # starts the bundled Triton on free ports
+    python -m bench.pipeline --url 127.0.0.1:8001 --seconds 30
+
+Prints a Markdown table (and writes JSON with --json): latency percentiles at concurrency 1,
+throughput at concurrency 8, and Triton's own statistics (average batch size per model,
+queue vs compute time per execution).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import tritonclient.grpc as grpcclient
+
+from bench.load import closed_loop
+from export.fetch import fetch_photos
+from service.launcher import TritonPorts, TritonServer
+from service.pipeline_client import PipelineClient
+
+ROOT = Path(__file__).resolve().parent.parent
+PHOTOS = {"1 face (obama.jpg, 910x1137)": "obama.jpg", "6 faces (t1.jpg, 1280x886)": "t1.jpg"}
+MODELS = ("face_pipeline", "face_detector", "face_embedder")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def model_statistics(url: str) -> dict[str, dict[str, float]]:
+    """Cumulative counters per model: requests, executions, queue and compute nanoseconds."""
+    client = grpcclient.InferenceServerClient(url)
+    out: dict[str, dict[str, float]] = {}
+    for name in MODELS:
+        stats = client.get_inference_statistics(name, as_json=True)["model_stats"][0]
+        inference = stats["inference_stats"]
+        out[name] = {
+            "requests": float(stats.get("inference_count", 0)),
+            "executions": float(stats.get("execution_count", 0)),
+            "queue_ns": float(inference.get("queue", {}).get("ns", 0)),
+            "compute_ns": sum(float(inference.get(k, {}).get("ns", 0))
+                              for k in ("compute_input", "compute_infer", "compute_output")),
+        }
+    client.close()
+    return out
+
+
+def statistics_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    rows = {}
+    for name in MODELS:
+        d = {k: after[name][k] - before[name][k] for k in after[name]}
+        executions = max(d["executions"], 1.0)
+        rows[name] = {
+            "avg_batch": round(d["requests"] / executions, 2),
+            "queue_ms_per_exec": round(d["queue_ns"] / executions / 1e6, 2),
+            "compute_ms_per_exec": round(d["compute_ns"] / executions / 1e6, 2),
+        }
+    return rows
+
+
+def measure(url: str, payload: bytes, seconds: float, concurrency: int) -> dict[str, Any]:
+    client = PipelineClient(url)  # gRPC channels are thread-safe and multiplex concurrent calls
+
+    def send() -> object:
+        return client.infer(payload)
+
+    before = model_statistics(url)
+    result = closed_loop(send, concurrency, seconds)
+    after = model_statistics(url)
+    client.close()
+    return {**result.row(), "triton": statistics_delta(before, after)}
+
+
+def report(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| photo | concurrency | images/s | p50 ms | p90 ms | p99 ms | errors | avg batch (pipeline / detector / embedder) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for photo, runs in results.items():
+        for run in runs.values():
+            batches = " / ".join(str(run["triton"][m]["avg_batch"]) for m in MODELS)
+            lines.append(f"| {photo} | {run['concurrency']} | {run['throughput_per_s']} | {run['p50_ms']} | "
+                         f"{run['p90_ms']} | {run['p99_ms']} | {run['errors']} | {batches} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="gRPC address of a running Triton (default: start the bundled one)")
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository" / "cpu")
+    parser.add_argument("--seconds", type=float, default=20.0, help="duration of each measurement")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    photos = fetch_photos(ROOT / "artifacts" / "downloads", ROOT / "artifacts" / "photos")
+    with ExitStack() as stack:
+        url = args.url
+        if url is None:
+            ports = TritonPorts(_free_port(), _free_port(), _free_port())
+            log_file = ROOT / "artifacts" / "bench-tritonserver.log"
+            url = stack.enter_context(TritonServer(args.repository, ports, log_file=log_file)).grpc_url
+        results = {
+            label: {str(c): measure(url, photos[name].read_bytes(), args.seconds, c) for c in args.concurrency}
+            for label, name in PHOTOS.items()
+        }
+    print(report(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
