@@ -40,33 +40,29 @@ def dequantize(
 def fold_weight_dequantization(model: onnx.ModelProto) -> onnx.ModelProto:
     """Replace DequantizeLinear (and a Reshape of its result) on constant weights by fp32 initializers.
 
-    Graph inputs that are only initializers (an old exporter habit) are dropped from the inputs, and
-    inputs nothing consumes are removed.
+    Folded tensors still read by a remaining node become initializers; initializers no remaining node
+    reads are removed, as are graph inputs that are initializers (an old exporter habit) or unused.
     """
     graph = model.graph
     constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
     folded: dict[str, NDArray[np.float32]] = {}
-    dropped: set[str] = set()
+    remaining: list[onnx.NodeProto] = []
     for node in graph.node:
-        if node.op_type == "DequantizeLinear" and all(name in constants for name in node.input):
+        if node.op_type == "DequantizeLinear" and all(name in constants for name in node.input if name):
             zero = constants[node.input[2]] if len(node.input) > 2 and node.input[2] else None
             folded[node.output[0]] = dequantize(
                 constants[node.input[0]], constants[node.input[1]], zero,
                 _attribute(node, "axis", 1), _attribute(node, "block_size", 0),
             )
-            dropped.update(node.input)
         elif node.op_type == "Reshape" and node.input[0] in folded and node.input[1] in constants:
             shape = tuple(int(v) for v in constants[node.input[1]])
-            folded[node.output[0]] = folded.pop(node.input[0]).reshape(shape)
-            dropped.add(node.input[1])
+            folded[node.output[0]] = folded[node.input[0]].reshape(shape)
         else:
-            continue
-        node.op_type = "__folded__"
-    kept_nodes = [node for node in graph.node if node.op_type != "__folded__"]
+            remaining.append(node)
     del graph.node[:]
-    graph.node.extend(kept_nodes)
-    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    initializers = [init for init in graph.initializer if init.name not in dropped and init.name in used]
+    graph.node.extend(remaining)
+    used = {name for node in remaining for name in node.input} | {o.name for o in graph.output}
+    initializers = [init for init in graph.initializer if init.name in used]
     initializers += [numpy_helper.from_array(array, name) for name, array in folded.items() if name in used]
     del graph.initializer[:]
     graph.initializer.extend(initializers)

@@ -127,7 +127,7 @@ def validate_options(
     if not 1 <= faces <= settings.max_faces:
         raise ValueError(f"max_faces must be in [1, {settings.max_faces}], got {faces}")
     if not 0.0 <= min_size <= 1e5:
-        raise ValueError(f"min_face_size must be >= 0 pixels, got {min_size}")
+        raise ValueError(f"min_face_size must be in [0, 100000] pixels, got {min_size}")
     return DetectOptions(threshold, defaults.nms_iou, faces, min_size)
 
 

@@ -276,6 +276,8 @@ def similarity_transforms(src: FloatArray, dst: FloatArray = ARCFACE_TEMPLATE_11
 
 def align_faces(image: ImageArray, landmarks: FloatArray, size: int = 112) -> ImageArray:
     """Warp every face [N, 5, 2] of ``image`` onto the ArcFace template -> [N, size, size, 3]."""
+    if landmarks.ndim != 3 or landmarks.shape[1:] != (5, 2):
+        raise ValueError(f"landmarks must have shape [N, 5, 2], got {list(landmarks.shape)}")
     template = ARCFACE_TEMPLATE_112 * (size / 112.0)
     crops = np.empty((landmarks.shape[0], size, size, 3), dtype=np.uint8)
     for i, matrix in enumerate(similarity_transforms(landmarks, template).reshape(-1, 2, 3)):
