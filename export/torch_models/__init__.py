@@ -1,0 +1,1 @@
+"""PyTorch re-implementations whose state-dict keys match published face-model checkpoints."""
