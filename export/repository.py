@@ -104,7 +104,8 @@ def _set_parameters(config: mc.ModelConfig, values: dict[str, str]) -> None:
 
 def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: Batching) -> mc.ModelConfig:
     gpu = plan.profile is Profile.GPU
-    config = _base_config(name, batching, mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU)
+    kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
+    config = _base_config(name, batching, kind)
     if gpu:
         config.platform = "tensorrt_plan"
     else:
@@ -139,7 +140,8 @@ def _pipeline_config(plan: RepositoryPlan, settings: PipelineSettings) -> mc.Mod
                         ("MIN_FACE_SIZE", mc.TYPE_FP32), ("RETURN_CROPS", mc.TYPE_BOOL)):
         config.input.add(name=name, data_type=dtype, dims=[1], optional=True)
     outputs = {"BOXES": (mc.TYPE_FP32, [-1, 4]), "SCORES": (mc.TYPE_FP32, [-1]),
-               "LANDMARKS": (mc.TYPE_FP32, [-1, 5, 2]), "EMBEDDINGS": (mc.TYPE_FP32, [-1, settings.embedder.embedding_dim]),
+               "LANDMARKS": (mc.TYPE_FP32, [-1, 5, 2]),
+               "EMBEDDINGS": (mc.TYPE_FP32, [-1, settings.embedder.embedding_dim]),
                "BLUR": (mc.TYPE_FP32, [-1]), "IMAGE_SIZE": (mc.TYPE_INT32, [2]),
                "CROPS": (mc.TYPE_UINT8, [-1, crop, crop, 3])}
     for name, (dtype, dims) in outputs.items():
@@ -153,7 +155,8 @@ def _pipeline_config(plan: RepositoryPlan, settings: PipelineSettings) -> mc.Mod
 def _write_config(model_dir: Path, config: mc.ModelConfig) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     text = text_format.MessageToString(config)
-    (model_dir / "config.pbtxt").write_text(f"# Written by `python -m export`; edit the tuning there.\n{text}")
+    header = "# Written by `python -m export`; edit the tuning there.\n"
+    (model_dir / "config.pbtxt").write_text(f"{header}{text}")
 
 
 def _check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
@@ -165,7 +168,8 @@ def _check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
     if list(existing.input) != list(config.input) or list(existing.output) != list(config.output):
         raise ValueError(
             f"{model_dir.name}: the new model's inputs/outputs differ from the versions already in "
-            f"{model_dir}; a model with other conventions needs a new repository (--out) or a gallery re-embed"
+            f"{model_dir}; a model with other conventions needs a new repository (--out) "
+            "or a gallery re-embed"
         )
 
 

@@ -15,7 +15,9 @@ from facecore.processing import FloatArray
 from facecore.spec import ModelSpec
 
 
-def create_session(path: str | Path, intra_op_threads: int = 0, inter_op_threads: int = 1) -> ort.InferenceSession:
+def create_session(
+    path: str | Path, intra_op_threads: int = 0, inter_op_threads: int = 1
+) -> ort.InferenceSession:
     """A CPU session; 0 threads lets ONNX Runtime use one per core."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads

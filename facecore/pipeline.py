@@ -16,8 +16,8 @@ from typing import Protocol
 import numpy as np
 
 from facecore.processing import (
-    DetectOptions,
     Detections,
+    DetectOptions,
     FloatArray,
     ImageArray,
     align_faces,
@@ -136,7 +136,10 @@ def _chunks(count: int, size: int) -> list[slice]:
 
 
 def detect(
-    images: Sequence[ImageArray], options: Sequence[DetectOptions], settings: PipelineSettings, detector: Detector
+    images: Sequence[ImageArray],
+    options: Sequence[DetectOptions],
+    settings: PipelineSettings,
+    detector: Detector,
 ) -> list[Detections]:
     """Letterbox every image to the detector size, run the detector once per max batch, post-process."""
     spec = settings.detector
@@ -161,9 +164,12 @@ def embed(crops: ImageArray, settings: PipelineSettings, embedder: Embedder) -> 
     if crops.shape[0] == 0:
         return np.zeros((0, spec.embedding_dim), dtype=np.float32)
     batch = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
-    raw = np.concatenate([embedder(batch[part]) for part in _chunks(len(batch), settings.embedder_max_batch)])
+    parts = _chunks(len(batch), settings.embedder_max_batch)
+    raw = np.concatenate([embedder(batch[part]) for part in parts])
     if raw.shape != (len(batch), spec.embedding_dim):
-        raise ValueError(f"embedder returned shape {raw.shape}, expected ({len(batch)}, {spec.embedding_dim})")
+        raise ValueError(
+            f"embedder returned shape {raw.shape}, expected ({len(batch)}, {spec.embedding_dim})"
+        )
     return l2_normalize(raw)
 
 
@@ -179,7 +185,10 @@ def run_pipeline(
         return []
     detections = detect(images, options, settings, detector)
     size = settings.embedder.input_size[0]
-    crops = [align_faces(image, found.landmarks, size) for image, found in zip(images, detections, strict=True)]
+    crops = [
+        align_faces(image, found.landmarks, size)
+        for image, found in zip(images, detections, strict=True)
+    ]
     all_crops = np.concatenate(crops) if crops else np.zeros((0, size, size, 3), np.uint8)
     embeddings = embed(all_crops, settings, embedder)
     blur = blur_scores(all_crops)

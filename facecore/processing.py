@@ -113,10 +113,14 @@ def letterbox(
     ratio = min(width / w, height / h)
     new_w, new_h = max(1, min(width, round(w * ratio))), max(1, min(height, round(h * ratio)))
     interpolation = cv2.INTER_AREA if ratio < 0.5 else cv2.INTER_LINEAR
-    resized = image if (new_w, new_h) == (w, h) else cv2.resize(image, (new_w, new_h), interpolation=interpolation)
+    same_size = (new_w, new_h) == (w, h)
+    resized = image if same_size else cv2.resize(image, (new_w, new_h), interpolation=interpolation)
     value = [float(v) for v in np.clip(np.round(np.asarray(fill, dtype=np.float64)), 0, 255)]
-    canvas = cv2.copyMakeBorder(resized, 0, height - new_h, 0, width - new_w, cv2.BORDER_CONSTANT, value=value)
-    return canvas, np.array([new_w / w, new_h / h], dtype=np.float32)
+    canvas = cv2.copyMakeBorder(
+        resized, 0, height - new_h, 0, width - new_w, cv2.BORDER_CONSTANT, value=value
+    )
+    # copyMakeBorder keeps the dtype, so this only types the result (no copy).
+    return np.asarray(canvas, dtype=image.dtype), np.array([new_w / w, new_h / h], dtype=np.float32)
 
 
 def to_tensor(
@@ -130,7 +134,10 @@ def to_tensor(
     if batch.shape[0] == 0:
         return np.zeros((0, 3, *batch.shape[1:3]), dtype=np.float32)
     if len(set(std)) == 1:  # OpenCV's blob path: one pass in C++, ~2x faster than numpy
-        blob = cv2.dnn.blobFromImages(list(batch), 1.0 / float(std[0]), None, tuple(float(m) for m in mean), swap_rb)
+        # size=None keeps each image's size; the stubs only accept a Sequence[int].
+        blob = cv2.dnn.blobFromImages(  # type: ignore[call-overload]
+            list(batch), 1.0 / float(std[0]), None, tuple(float(m) for m in mean), swap_rb
+        )
         return np.asarray(blob, dtype=np.float32)
     channels = batch[..., ::-1] if swap_rb else batch
     normalized = (channels.astype(np.float32) - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
@@ -147,7 +154,7 @@ def prior_boxes(height: int, width: int, config: PriorConfig = PriorConfig()) ->
 
     Order: level, then row, then column, then anchor size (Pytorch_Retinaface's PriorBox).
     """
-    levels = []
+    levels: list[NDArray[np.float64]] = []
     for step, sizes in zip(config.steps, config.min_sizes, strict=True):
         rows, cols = -(-height // step), -(-width // step)
         cy, cx = np.meshgrid((np.arange(rows) + 0.5) * step / height, (np.arange(cols) + 0.5) * step / width,
@@ -167,7 +174,7 @@ def decode_boxes(loc: FloatArray, priors: FloatArray, variances: tuple[float, fl
     centers = priors[:, :2] + loc[:, :2] * variances[0] * priors[:, 2:]
     sizes = priors[:, 2:] * np.exp(loc[:, 2:] * variances[1])
     corners = np.concatenate([centers - sizes / 2, centers + sizes / 2], axis=1)
-    return corners.astype(np.float32)
+    return np.asarray(corners, dtype=np.float32)
 
 
 def decode_landmarks(landms: FloatArray, priors: FloatArray, variances: tuple[float, float]) -> FloatArray:
@@ -270,8 +277,8 @@ def similarity_transforms(src: FloatArray, dst: FloatArray = ARCFACE_TEMPLATE_11
     scale = (s * d).sum(axis=1) / np.where(src_var > 0, src_var, 1)
     linear = rotation * scale[:, None, None]
     shift = dst_mean - np.einsum("nij,nj->ni", linear, src_mean[:, 0])
-    matrices = np.concatenate([linear, shift[:, :, None]], axis=2).astype(np.float32)
-    return matrices[0] if single else matrices
+    matrices = np.asarray(np.concatenate([linear, shift[:, :, None]], axis=2), dtype=np.float32)
+    return matrices[0, ...] if single else matrices  # [0, ...]: typed as an array, [0] as a scalar
 
 
 def align_faces(image: ImageArray, landmarks: FloatArray, size: int = 112) -> ImageArray:
@@ -295,4 +302,4 @@ def l2_normalize(vectors: FloatArray, eps: float = 1e-12) -> FloatArray:
     """Rows scaled to unit L2 norm (zero rows stay zero)."""
     array = np.asarray(vectors, dtype=np.float32)
     norms = np.linalg.norm(array, axis=-1, keepdims=True)
-    return (array / np.maximum(norms, eps)).astype(np.float32)
+    return np.asarray(array / np.maximum(norms, eps), dtype=np.float32)

@@ -117,14 +117,16 @@ class TritonServer:
 
     def start(self, timeout: float = 120.0) -> TritonServer:
         if not self.model_repository.is_dir():
-            raise TritonStartError(f"no model repository at {self.model_repository}: run `python -m export defaults`")
+            raise TritonStartError(
+                f"no model repository at {self.model_repository}: run `python -m export defaults`"
+            )
         _install_stub(bundled_server_dir())
         output = self.log_file.open("ab") if self.log_file else None
         log.info("starting tritonserver on 127.0.0.1 (http %d, grpc %d, metrics %d)",
                  self.ports.http, self.ports.grpc, self.ports.metrics)
         self._process = subprocess.Popen(
-            self.command(), env=server_environment(), stdout=output, stderr=subprocess.STDOUT if output else None,
-            start_new_session=True,
+            self.command(), env=server_environment(), stdout=output,
+            stderr=subprocess.STDOUT if output else None, start_new_session=True,
         )
         try:
             self.wait_ready(timeout)
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the models")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = TritonServer(args.model_repository, TritonPorts(args.http_port, args.grpc_port, args.metrics_port))
+    ports = TritonPorts(args.http_port, args.grpc_port, args.metrics_port)
+    server = TritonServer(args.model_repository, ports)
     stop = {"now": False}
 
     def request_stop(signum: int, _frame: object) -> None:

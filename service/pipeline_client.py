@@ -81,7 +81,8 @@ def parse_result(result: grpcclient.InferResult) -> PipelineFaces:
         array = result.as_numpy(name)
         if array is None:
             raise PipelineError(f"{MODEL} returned no {name}", None)
-        return array[0]
+        first: NDArray[np.generic] = array[0]  # tritonclient is untyped
+        return first
 
     width, height = (int(v) for v in out("IMAGE_SIZE"))
     return PipelineFaces(

@@ -60,7 +60,8 @@ def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_mode
     det_spec, emb_spec = default_models.detector, default_models.embedder
 
     def run_detector(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = detector.run(list(det_spec.output_names), {det_spec.input_name: inputs[det_spec.input_name]})
+        feed = {det_spec.input_name: inputs[det_spec.input_name]}
+        outputs = detector.run(list(det_spec.output_names), feed)
         return dict(zip(det_spec.output_names, outputs, strict=True))
 
     def run_embedder(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

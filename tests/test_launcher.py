@@ -24,7 +24,8 @@ def test_start_ready_and_clean_stop(cpu_repository: Path, tmp_path: Path) -> Non
     try:
         assert server.models_ready() == {"face_detector": True, "face_embedder": True, "face_pipeline": True}
         assert list(Path("/dev/shm").glob(f"{server.shm_prefix}*")), "the Python backend uses shared memory"
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=5) as response:
+        metrics = f"http://127.0.0.1:{server.ports.metrics}/metrics"
+        with urllib.request.urlopen(metrics, timeout=5) as response:
             assert b"nv_inference_request_success" in response.read()
     finally:
         code = server.stop()
@@ -42,7 +43,9 @@ def test_a_broken_model_fails_the_start_and_cleans_up(cpu_repository: Path, tmp_
     (broken / "face_pipeline" / "1").mkdir(parents=True)
     (broken / "face_pipeline" / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 1\n')
     (broken / "face_pipeline" / "1" / "model.py").write_text("raise RuntimeError('boom')\n")
-    server = TritonServer(broken, TritonPorts(*free_ports(3)), models=("face_pipeline",), log_file=tmp_path / "log")
+    server = TritonServer(
+        broken, TritonPorts(*free_ports(3)), models=("face_pipeline",), log_file=tmp_path / "log"
+    )
     with pytest.raises(TritonStartError):
         server.start(timeout=60)
     assert not server.running
@@ -59,7 +62,8 @@ def test_command_line_runs_until_sigterm(cpu_repository: Path, tmp_path: Path) -
         ready = False
         while time.monotonic() < deadline and process.poll() is None and not ready:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/face_pipeline/ready", timeout=2) as r:
+                url = f"http://127.0.0.1:{http}/v2/models/face_pipeline/ready"
+                with urllib.request.urlopen(url, timeout=2) as r:
                     ready = r.status == 200
             except OSError:
                 time.sleep(0.5)

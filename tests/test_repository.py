@@ -35,7 +35,8 @@ def test_cpu_profile(cpu_repository: Path) -> None:
     for name in MODELS:
         config = read_config(cpu_repository, name)
         assert config.backend == "python" and config.max_batch_size > 0
-        assert config.dynamic_batching.preferred_batch_size and config.dynamic_batching.max_queue_delay_microseconds > 0
+        assert config.dynamic_batching.preferred_batch_size
+        assert config.dynamic_batching.max_queue_delay_microseconds > 0
         assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
         assert config.version_policy.latest.num_versions == 1
         assert (cpu_repository / name / "1" / "model.py").is_file()
@@ -64,10 +65,13 @@ def test_gpu_profile(default_models: DefaultModels, tmp_path: Path) -> None:
     assert list(read_config(repository, "face_detector").input[0].dims) == [3, 640, 640]
     pipeline = read_config(repository, "face_pipeline")
     assert pipeline.backend == "python" and pipeline.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
-    assert parameters({"parameters": {k: {"string_value": v.string_value} for k, v in pipeline.parameters.items()}})
+    strings = {k: {"string_value": v.string_value} for k, v in pipeline.parameters.items()}
+    assert parameters({"parameters": strings})
 
 
-def test_a_model_with_other_tensors_cannot_be_added_as_a_version(default_models: DefaultModels, tmp_path: Path) -> None:
+def test_a_model_with_other_tensors_cannot_be_added_as_a_version(
+    default_models: DefaultModels, tmp_path: Path
+) -> None:
     repository = write(Profile.CPU, default_models, tmp_path / "cpu")
     wider = replace(default_models.embedder, embedding_dim=512)
     plan = RepositoryPlan(Profile.CPU, default_models.detector, wider, version=2)
@@ -88,7 +92,9 @@ def test_roll_out_and_roll_back_on_a_live_server(
     default_models: DefaultModels, tmp_path: Path, photo_bytes: dict[str, bytes]
 ) -> None:
     repository = write(Profile.CPU, default_models, tmp_path / "cpu")
-    server = TritonServer(repository, TritonPorts(*free_ports(3)), explicit=True, log_file=tmp_path / "triton.log")
+    server = TritonServer(
+        repository, TritonPorts(*free_ports(3)), explicit=True, log_file=tmp_path / "triton.log"
+    )
     with server:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         pipeline = PipelineClient(server.grpc_url)

@@ -32,15 +32,19 @@ def test_group_photo_has_six_faces(pipeline: PipelineClient, photo_bytes: dict[s
     assert (faces.width, faces.height) == (1280, 886)
     assert faces.embeddings.shape == (6, 128)
     np.testing.assert_allclose(np.linalg.norm(faces.embeddings, axis=1), 1.0, rtol=1e-5)
-    assert np.all(faces.boxes[:, :2] >= 0) and np.all(faces.boxes[:, 2] <= 1280) and np.all(faces.boxes[:, 3] <= 886)
+    assert np.all(faces.boxes[:, :2] >= 0)
+    assert np.all(faces.boxes[:, 2] <= 1280) and np.all(faces.boxes[:, 3] <= 886)
     assert np.all(faces.boxes[:, 2:] > faces.boxes[:, :2])
     # every landmark lies inside its face box (a sign the coordinate mapping is right)
-    inside = (faces.landmarks >= faces.boxes[:, None, :2] - 2) & (faces.landmarks <= faces.boxes[:, None, 2:] + 2)
+    lower, upper = faces.boxes[:, None, :2] - 2, faces.boxes[:, None, 2:] + 2
+    inside = (faces.landmarks >= lower) & (faces.landmarks <= upper)
     assert inside.all()
     assert np.all(np.diff(faces.scores) <= 0) and faces.scores.min() >= 0.5
 
 
-def test_same_person_is_closer_than_another_person(pipeline: PipelineClient, photo_bytes: dict[str, bytes]) -> None:
+def test_same_person_is_closer_than_another_person(
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes]
+) -> None:
     obama = [pipeline.infer(photo_bytes[n]).embeddings[0] for n in ("obama.jpg", "obama2.jpg", "obama3.jpg")]
     biden = pipeline.infer(photo_bytes["biden.jpg"]).embeddings[0]
     same = [cosine(a, b) for i, a in enumerate(obama) for b in obama[i + 1 :]]
@@ -49,10 +53,13 @@ def test_same_person_is_closer_than_another_person(pipeline: PipelineClient, pho
     assert min(same) > 0.6 and max(different) < 0.4  # SFace: same ~0.7-0.8, different < 0.3 on these photos
 
 
-def test_photo_without_face_returns_empty_outputs(pipeline: PipelineClient, photo_bytes: dict[str, bytes]) -> None:
+def test_photo_without_face_returns_empty_outputs(
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes]
+) -> None:
     faces = pipeline.infer(photo_bytes["coffee.png"])
     assert len(faces) == 0
-    assert faces.boxes.shape == (0, 4) and faces.landmarks.shape == (0, 5, 2) and faces.embeddings.shape == (0, 128)
+    assert faces.boxes.shape == (0, 4) and faces.landmarks.shape == (0, 5, 2)
+    assert faces.embeddings.shape == (0, 128)
     assert (faces.width, faces.height) == (600, 400)
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
 import numpy as np
 
 BLS_HANDLERS: dict[str, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] = {}
 BLS_CALLS: list[tuple[str, dict[str, np.ndarray]]] = []
 
 
-class TritonModelException(Exception):
+class TritonModelException(Exception):  # noqa: N818 (Triton's own name)
     pass
 
 
