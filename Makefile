@@ -18,11 +18,11 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(VENV)/.runtime: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[server]'
+	$(PY) -m pip install --quiet -e '.[server,cpu]'
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.runtime
-	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,dev,export]'
+	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,cpu,dev,export]'
 	touch $@
 
 setup: $(VENV)/.runtime

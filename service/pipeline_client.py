@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from numpy.typing import NDArray
 from tritonclient.utils import InferenceServerException
+
+from facecore.spec import ModelSpec, spec_from_dict
 
 MODEL = "face_pipeline"
 OUTPUTS = ("BOXES", "SCORES", "LANDMARKS", "EMBEDDINGS", "BLUR", "IMAGE_SIZE", "CROPS")
@@ -92,6 +96,15 @@ def parse_result(result: grpcclient.InferResult) -> PipelineFaces:
     )
 
 
+def embedder_from_config(config: dict[str, Any]) -> ModelSpec:
+    """The embedder description ``export`` recorded in face_pipeline's config parameters."""
+    parameters = config.get("config", config).get("parameters", {})
+    try:
+        return spec_from_dict(json.loads(parameters["embedder"]["string_value"]))
+    except (KeyError, ValueError) as exc:
+        raise PipelineError(f"{MODEL} config has no valid embedder description: {exc}", None) from exc
+
+
 class PipelineClient:
     """Blocking client (tools, tests, benchmarks)."""
 
@@ -106,6 +119,14 @@ class PipelineClient:
         except InferenceServerException as exc:
             raise PipelineError.from_exception(exc) from exc
         return parse_result(result)
+
+    def embedder(self) -> ModelSpec:
+        """The embedding model served behind the pipeline (name, dimension, default threshold)."""
+        try:
+            config = self._client.get_model_config(MODEL, as_json=True)
+        except InferenceServerException as exc:
+            raise PipelineError.from_exception(exc) from exc
+        return embedder_from_config(config)
 
     def close(self) -> None:
         self._client.close()
@@ -125,6 +146,13 @@ class AsyncPipelineClient:
         except InferenceServerException as exc:
             raise PipelineError.from_exception(exc) from exc
         return parse_result(result)
+
+    async def embedder(self) -> ModelSpec:
+        try:
+            config = await self._client.get_model_config(MODEL, as_json=True)
+        except InferenceServerException as exc:
+            raise PipelineError.from_exception(exc) from exc
+        return embedder_from_config(config)
 
     async def ready(self) -> bool:
         try:

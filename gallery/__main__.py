@@ -1,0 +1,198 @@
+"""``python -m gallery``: migrate, create collections, import folders, rebuild/snapshot indexes, re-embed.
+
+The database URL comes from --database-url or FACEREC_DATABASE__URL (default: SQLite in data/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+from facecore.quality import QualityThresholds
+from gallery.db import Database, create_db_engine, migrate
+from gallery.errors import GalleryError
+from gallery.store import GalleryStore
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DB = os.environ.get("FACEREC_DATABASE__URL", f"sqlite:///{ROOT / 'data' / 'gallery.db'}")
+DEFAULT_SNAPSHOTS = Path(os.environ.get("FACEREC_GALLERY__SNAPSHOT_DIR", str(ROOT / "data" / "index")))
+DEFAULT_TRITON = os.environ.get("FACEREC_TRITON__URL", "127.0.0.1:8001")
+
+log = logging.getLogger("gallery")
+
+
+def open_store(url: str) -> GalleryStore:
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_db_engine(url)
+    migrate(engine)
+    return GalleryStore(Database(engine))
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    open_store(args.database_url)
+    print("database is at the latest schema")
+    return 0
+
+
+def _create_collection(args: argparse.Namespace) -> int:
+    from service.pipeline_client import PipelineClient
+
+    store = open_store(args.database_url)
+    if args.model is None:
+        client = PipelineClient(args.url)
+        spec = client.embedder()
+        client.close()
+        model, dimension, threshold = spec.name, spec.embedding_dim, spec.match_threshold
+    elif args.threshold is None:
+        raise ValueError("--model needs --threshold (the cosine similarity that counts as a match)")
+    else:
+        model, dimension, threshold = args.model, args.dimension, args.threshold
+    if args.threshold is not None:
+        threshold = args.threshold
+    info = store.create_collection(args.name, model, dimension, threshold, not args.no_crops)
+    print(f"collection {info.name}: {info.embedding_model}, {info.dimension}-d, threshold {info.match_threshold}")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from gallery.importer import ImportOptions, Importer, read_manifest, scan_folder, write_report
+    from service.pipeline_client import AsyncPipelineClient
+
+    store = open_store(args.database_url)
+    items = scan_folder(args.folder) if args.folder else read_manifest(args.manifest)
+    limits = QualityThresholds(min_face_size=args.min_face_size, min_blur=args.min_blur)
+
+    async def run() -> list:  # type: ignore[type-arg]
+        client = AsyncPipelineClient(args.url)
+        try:
+            spec = await client.embedder()
+            try:
+                store.get_collection(args.collection)
+            except GalleryError:
+                if not args.create_collection:
+                    raise
+                store.create_collection(args.collection, spec.name, spec.embedding_dim, spec.match_threshold)
+            options = ImportOptions(args.collection, spec.name, args.concurrency, args.dry_run,
+                                    args.largest_face, limits)
+            return await Importer(store, client, options).run(items, show_progress=not args.quiet)
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    if args.report:
+        write_report(results, args.report)
+    counts = Counter(r.status.value for r in results)
+    print(", ".join(f"{status}: {count}" for status, count in sorted(counts.items())) or "nothing to import")
+    return 1 if counts.get("failed") else 0
+
+
+def _rebuild(args: argparse.Namespace) -> int:
+    from gallery.gallery import Gallery
+
+    gallery = Gallery(open_store(args.database_url), args.snapshot_dir)
+    gallery.rebuild(args.collection)
+    for path in gallery.snapshot():
+        print(path)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from gallery.gallery import Gallery
+
+    gallery = Gallery(open_store(args.database_url), args.snapshot_dir)
+    gallery.load()
+    for info in gallery.store.list_collections():
+        print(f"{info.name}\t{info.embedding_model}\t{info.dimension}-d\t{gallery.size(info.name)} faces")
+    return 0
+
+
+def _reembed(args: argparse.Namespace) -> int:
+    import tritonclient.grpc as grpcclient
+
+    from gallery.reembed import reembed_collection
+    from service.pipeline_client import PipelineClient
+
+    store = open_store(args.database_url)
+    pipeline = PipelineClient(args.url)
+    spec = pipeline.embedder()
+    pipeline.close()
+    count = reembed_collection(store, args.collection, grpcclient.InferenceServerClient(args.url), spec)
+    print(f"re-embedded {count} faces of {args.collection} with {spec.name}")
+    return 0
+
+
+def _triton_argument(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--url", default=DEFAULT_TRITON, help="Triton gRPC address (default: %(default)s)")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="python -m gallery", description=__doc__)
+    root.add_argument("--database-url", default=DEFAULT_DB, help="SQLAlchemy URL (default: %(default)s)")
+    root.add_argument("--snapshot-dir", type=Path, default=DEFAULT_SNAPSHOTS, help="index snapshots")
+    root.add_argument("-v", "--verbose", action="store_true")
+    sub = root.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("migrate", help="create or upgrade the database schema").set_defaults(run=_migrate)
+
+    p = sub.add_parser("create-collection", help="create a collection for the served model (or --model ...)")
+    p.add_argument("name")
+    _triton_argument(p)
+    p.add_argument("--model", help="embedding model id (default: ask Triton which model it serves)")
+    p.add_argument("--dimension", type=int, default=128)
+    p.add_argument("--threshold", type=float, help="match threshold (default: the model's)")
+    p.add_argument("--no-crops", action="store_true", help="do not keep aligned crops (no re-embedding later)")
+    p.set_defaults(run=_create_collection)
+
+    p = sub.add_parser("import", help="import a folder tree (one subfolder per identity) or a CSV manifest")
+    p.add_argument("--collection", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--folder", type=Path)
+    source.add_argument("--manifest", type=Path, help="CSV with columns path,external_id,name")
+    _triton_argument(p)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight to Triton (default: 8)")
+    p.add_argument("--dry-run", action="store_true", help="detect and check every image, write nothing")
+    p.add_argument("--report", type=Path, help="per-file report (.csv or .json)")
+    p.add_argument("--largest-face", action="store_true", help="enroll the largest face of group photos")
+    p.add_argument("--create-collection", action="store_true", help="create the collection when missing")
+    p.add_argument("--min-face-size", type=float, default=QualityThresholds.min_face_size)
+    p.add_argument("--min-blur", type=float, default=QualityThresholds.min_blur)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_import)
+
+    p = sub.add_parser("rebuild", help="recreate index(es) from the database and write snapshots")
+    p.add_argument("--collection")
+    p.set_defaults(run=_rebuild)
+
+    sub.add_parser("stats", help="collections and index sizes").set_defaults(run=_stats)
+
+    p = sub.add_parser("reembed", help="re-embed a collection from its stored crops with the served model")
+    p.add_argument("--collection", required=True)
+    _triton_argument(p)
+    p.set_defaults(run=_reembed)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("alembic", "faiss"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return int(args.run(args))
+    except GalleryError as exc:
+        log.error("%s (%s)", exc.message, exc.code)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

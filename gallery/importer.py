@@ -1,0 +1,211 @@
+"""Batch gallery import: a folder tree (one subfolder per identity) or a CSV manifest.
+
+Images go through ``face_pipeline`` on Triton with bounded concurrency (enough requests in flight
+to keep the dynamic batcher busy); each identity is enrolled in ONE transaction once all its
+images are processed, so a failure never leaves a half-enrolled identity. Images whose sha256 is
+already in the collection are skipped, which makes an interrupted import resumable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import hashlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import cv2
+import numpy as np
+from tqdm import tqdm
+
+from facecore.quality import QualityThresholds, assess
+from gallery.store import GalleryStore, NewFace
+from service.pipeline_client import AsyncPipelineClient, PipelineError, PipelineFaces
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+
+
+class Status(StrEnum):
+    IMPORTED = "imported"
+    READY = "ready"  # dry run: would be imported
+    NO_FACE = "no_face"
+    SEVERAL_FACES = "several_faces"
+    LOW_QUALITY = "low_quality"
+    UNREADABLE = "unreadable"
+    DUPLICATE = "duplicate"
+    FAILED = "failed"  # Triton or the database failed; nothing of this identity was written
+
+
+@dataclass(frozen=True)
+class ImportItem:
+    path: Path
+    external_id: str
+    name: str
+
+
+@dataclass
+class ItemResult:
+    item: ImportItem
+    status: Status
+    detail: str = ""
+    sha256: str = ""
+    faces: int = 0
+    face_id: int | None = None
+    face: NewFace | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    collection: str
+    embedding_model: str
+    concurrency: int = 8
+    dry_run: bool = False
+    largest_face: bool = False  # with several faces, enroll the largest instead of refusing
+    quality: QualityThresholds = QualityThresholds()
+
+
+def scan_folder(root: Path) -> list[ImportItem]:
+    """One identity per subfolder (external id and name = folder name), images inside it."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"no folder {root}")
+    return [
+        ImportItem(path, folder.name, folder.name)
+        for folder in sorted(p for p in root.iterdir() if p.is_dir())
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES
+    ]
+
+
+def read_manifest(manifest: Path) -> list[ImportItem]:
+    """CSV with a header: ``path,external_id,name`` (paths relative to the manifest's folder)."""
+    with manifest.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        missing = {"path", "external_id"} - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{manifest}: missing column(s) {', '.join(sorted(missing))}")
+        items = []
+        for line, row in enumerate(reader, start=2):
+            if not row["path"] or not row["external_id"]:
+                raise ValueError(f"{manifest}:{line}: path and external_id are required")
+            path = Path(row["path"])
+            items.append(ImportItem(path if path.is_absolute() else manifest.parent / path,
+                                    row["external_id"], row.get("name") or row["external_id"]))
+    return items
+
+
+def _pick_face(faces: PipelineFaces, largest: bool) -> int | None:
+    if len(faces) == 1:
+        return 0
+    if len(faces) > 1 and largest:
+        areas = (faces.boxes[:, 2] - faces.boxes[:, 0]) * (faces.boxes[:, 3] - faces.boxes[:, 1])
+        return int(np.argmax(areas))
+    return None
+
+
+def classify(item: ImportItem, digest: str, faces: PipelineFaces, options: ImportOptions) -> ItemResult:
+    """Accept exactly one face that passes the quality gate, or say why not."""
+    if len(faces) == 0:
+        return ItemResult(item, Status.NO_FACE, "no face found", digest)
+    chosen = _pick_face(faces, options.largest_face)
+    if chosen is None:
+        boxes = "; ".join(",".join(f"{v:.0f}" for v in box) for box in faces.boxes)
+        return ItemResult(item, Status.SEVERAL_FACES, f"{len(faces)} faces: {boxes}", digest, len(faces))
+    quality = assess(faces.boxes[chosen], faces.landmarks[chosen], float(faces.blur[chosen]),
+                     float(faces.scores[chosen]))
+    reasons = quality.rejections(options.quality)
+    if reasons:
+        return ItemResult(item, Status.LOW_QUALITY, ",".join(reasons), digest, len(faces))
+    crop = None
+    if faces.crops.shape[0] > chosen:
+        ok, png = cv2.imencode(".png", faces.crops[chosen])
+        crop = png.tobytes() if ok else None
+    face = NewFace(faces.embeddings[chosen], digest, faces.boxes[chosen].tolist(), float(faces.scores[chosen]),
+                   quality.as_dict(), crop)
+    return ItemResult(item, Status.READY, "", digest, len(faces), face=face)
+
+
+class Importer:
+    def __init__(self, store: GalleryStore, client: AsyncPipelineClient, options: ImportOptions) -> None:
+        self.store, self.client, self.options = store, client, options
+        self._slots = asyncio.Semaphore(options.concurrency)
+        self._seen: set[str] = set()
+
+    async def _process(self, item: ImportItem, progress: tqdm) -> ItemResult:  # type: ignore[type-arg]
+        try:
+            try:
+                data = await asyncio.to_thread(item.path.read_bytes)
+            except OSError as exc:
+                return ItemResult(item, Status.UNREADABLE, f"cannot read file: {exc.strerror}")
+            digest = hashlib.sha256(data).hexdigest()
+            if digest in self._seen:
+                return ItemResult(item, Status.DUPLICATE, "image already imported", digest)
+            self._seen.add(digest)
+            async with self._slots:
+                try:
+                    faces = await self.client.infer(data, return_crops=True)
+                except PipelineError as exc:
+                    status = Status.UNREADABLE if exc.invalid_input else Status.FAILED
+                    return ItemResult(item, status, str(exc), digest)
+            return classify(item, digest, faces, self.options)
+        finally:
+            progress.update(1)
+
+    def _enroll(self, results: list[ItemResult]) -> None:
+        """Write one identity's accepted faces in one transaction (all or nothing)."""
+        accepted = [r for r in results if r.status is Status.READY and r.face is not None]
+        if not accepted or self.options.dry_run:
+            return
+        item = accepted[0].item
+        try:
+            _, stored = self.store.add_faces(self.options.collection, item.external_id,
+                                             [r.face for r in accepted if r.face is not None],
+                                             self.options.embedding_model, create=(item.name, {}))
+        except Exception as exc:  # a database failure: report these files, keep importing the rest
+            log.error("identity %s not enrolled: %s", item.external_id, exc)
+            for result in accepted:
+                result.status, result.detail = Status.FAILED, f"enrollment failed: {exc}"
+            return
+        for result, face in zip(accepted, stored, strict=True):
+            result.status, result.face_id = Status.IMPORTED, face.id
+
+    async def _identity(self, items: list[ImportItem], progress: tqdm) -> list[ItemResult]:  # type: ignore[type-arg]
+        results = list(await asyncio.gather(*(self._process(item, progress) for item in items)))
+        await asyncio.to_thread(self._enroll, results)
+        return results
+
+    async def run(self, items: Iterable[ImportItem], show_progress: bool = True) -> list[ItemResult]:
+        items = list(items)
+        self._seen = await asyncio.to_thread(self.store.known_hashes, self.options.collection)
+        groups: dict[str, list[ImportItem]] = {}
+        for item in items:
+            groups.setdefault(item.external_id, []).append(item)
+        in_flight = asyncio.Semaphore(max(2, 2 * self.options.concurrency))
+
+        async def bounded(group: list[ImportItem]) -> list[ItemResult]:
+            async with in_flight:
+                return await self._identity(group, progress)
+
+        with tqdm(total=len(items), unit="image", disable=not show_progress) as progress:
+            nested = await asyncio.gather(*(bounded(group) for group in groups.values()))
+        return [result for group in nested for result in group]
+
+
+def write_report(results: list[ItemResult], path: Path) -> None:
+    """Per-file report as CSV, or JSON when the path ends in .json."""
+    rows = [{"path": str(r.item.path), "external_id": r.item.external_id, "name": r.item.name,
+             "status": r.status.value, "detail": r.detail, "faces": r.faces, "face_id": r.face_id,
+             "sha256": r.sha256} for r in results]
+    if path.suffix.lower() == ".json":
+        import json
+
+        path.write_text(json.dumps(rows, indent=2))
+        return
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["path", "status"])
+        writer.writeheader()
+        writer.writerows(rows)
