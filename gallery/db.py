@@ -1,0 +1,92 @@
+"""Engines, migrations and transactions for SQLite (embedded default) and PostgreSQL.
+
+Writes that append to the change log are serialized (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL: a
+transaction-scoped advisory lock), so ``face_changes.seq`` order is commit order and a replica that
+reads ``seq > last_seen`` never skips a change that commits late.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+#: Arbitrary constant naming the advisory lock that serializes change-log writers on PostgreSQL.
+CHANGE_LOG_LOCK = 0x6661636572
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # let SQLAlchemy's "begin" event emit BEGIN itself
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")  # durable against process crashes in WAL mode
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def _sqlite_begin(connection: Any) -> None:
+    immediate = connection.get_execution_options().get("write", False)
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def create_db_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine with the pragmas/pooling this project relies on."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs)
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Apply Alembic migrations up to ``revision`` (idempotent)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+
+
+class Database:
+    """Session factories: ``read()`` for queries, ``write()`` for serialized change-log writers."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._read = sessionmaker(engine, expire_on_commit=False)
+        self._write = sessionmaker(engine.execution_options(write=True), expire_on_commit=False)
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.engine.dialect.name == "postgresql"
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        with self._read() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        with self._write() as session, session.begin():
+            if self.is_postgres:
+                session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CHANGE_LOG_LOCK})
+            yield session
+
+    def ping(self) -> bool:
+        try:
+            with self.engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+            return True
+        except Exception:  # any driver error means "not reachable" to a health check
+            return False

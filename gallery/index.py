@@ -1,0 +1,235 @@
+"""One FAISS index per collection: inner product on L2-normalized vectors, FAISS ids = face ids.
+
+Exact (``IndexFlatIP``) up to ``exact_max`` vectors; above it an IVF index is trained and used only
+when its recall@10 against exact search, measured on this collection, reaches ``target_recall``
+(the measurement is logged either way). On a GPU (when FAISS reports one) the index is copied to it;
+GPU indexes cannot ``remove_ids``, so removals become tombstones filtered at search time until the
+gallery rebuilds the index from the database.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+from numpy.typing import NDArray
+
+log = logging.getLogger(__name__)
+
+Ids = NDArray[np.int64]
+Vectors = NDArray[np.float32]
+
+
+class IndexKind(StrEnum):
+    FLAT = "flat"
+    IVF = "ivf"
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    exact_max: int = 200_000
+    target_recall: float = 0.99
+    use_gpu: bool = True  # only when faiss.get_num_gpus() > 0
+    recall_queries: int = 500
+    #: Rebuild a tombstoned (GPU) index when this fraction of its vectors is removed.
+    compact_fraction: float = 0.1
+
+
+def gpu_available() -> bool:
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+def _flat(dimension: int) -> Any:
+    return faiss.IndexIDMap2(faiss.IndexFlatIP(dimension))
+
+
+def recall_at_k(approximate: Ids, exact: Ids) -> float:
+    """Mean fraction of the exact top-k ids that the approximate search also returned."""
+    hits = sum(len(set(a[a >= 0]) & set(e[e >= 0])) for a, e in zip(approximate, exact, strict=True))
+    total = sum(int((e >= 0).sum()) for e in exact)
+    return hits / total if total else 1.0
+
+
+def genuine_probes(vectors: Vectors, count: int, similarity: float = 0.75, seed: int = 0) -> Vectors:
+    """Queries like a new photo of an enrolled person: each at ~``similarity`` cosine to a stored vector."""
+    rng = np.random.default_rng(seed)
+    picked = vectors[rng.choice(len(vectors), size=min(count, len(vectors)), replace=False)]
+    noise = rng.standard_normal(picked.shape).astype(np.float32)
+    noise -= (noise * picked).sum(axis=1, keepdims=True) * picked  # orthogonal to the source
+    noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+    probes = similarity * picked + math.sqrt(1 - similarity**2) * noise
+    return np.ascontiguousarray(probes / np.linalg.norm(probes, axis=1, keepdims=True), dtype=np.float32)
+
+
+class FaceIndex:
+    """A FAISS index with idempotent add/remove and top-k search returning (scores, ids)."""
+
+    def __init__(self, dimension: int, config: IndexConfig | None = None, force_tombstones: bool = False) -> None:
+        self.dimension = dimension
+        self.config = config or IndexConfig()
+        self.kind = IndexKind.FLAT
+        self.nprobe = 0
+        self.recall: float | None = None
+        self._cpu: Any = _flat(dimension)
+        self._ids: set[int] = set()
+        self._tombstones: set[int] = set()
+        self.on_gpu = self.config.use_gpu and gpu_available()
+        self._tombstoning = force_tombstones or self.on_gpu
+        self._index: Any = self._to_device(self._cpu)
+
+    def _to_device(self, index: Any) -> Any:
+        if not self.on_gpu:
+            return index
+        resources = faiss.StandardGpuResources()
+        return faiss.index_cpu_to_gpu(resources, 0, index)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, face_id: int) -> bool:
+        return face_id in self._ids
+
+    @property
+    def ids(self) -> set[int]:
+        return set(self._ids)
+
+    @property
+    def needs_compaction(self) -> bool:
+        live = max(len(self._ids), 1)
+        return len(self._tombstones) > self.config.compact_fraction * live
+
+    def add(self, ids: Ids, vectors: Vectors) -> int:
+        """Add vectors whose ids are not present yet; returns how many were added."""
+        ids = np.asarray(ids, dtype=np.int64)
+        fresh = np.array([i not in self._ids and i not in self._tombstones for i in ids.tolist()], dtype=bool)
+        if not fresh.any():
+            return 0
+        matrix = np.ascontiguousarray(vectors[fresh], dtype=np.float32)
+        if matrix.shape[1] != self.dimension:
+            raise ValueError(f"vectors have dimension {matrix.shape[1]}, index has {self.dimension}")
+        self._index.add_with_ids(matrix, ids[fresh])
+        self._ids.update(ids[fresh].tolist())
+        return int(fresh.sum())
+
+    def remove(self, ids: Ids) -> int:
+        present = [i for i in np.asarray(ids, dtype=np.int64).tolist() if i in self._ids]
+        if not present:
+            return 0
+        if self._tombstoning:
+            self._tombstones.update(present)
+        else:
+            self._index.remove_ids(np.array(present, dtype=np.int64))
+        self._ids.difference_update(present)
+        return len(present)
+
+    def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
+        """Top-k (scores, ids) per query, best first; missing slots have id -1 and score -inf."""
+        queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.dimension)
+        k = max(1, min(k, len(self._ids)))
+        if not self._ids:
+            return np.full((len(queries), 0), -np.inf, np.float32), np.full((len(queries), 0), -1, np.int64)
+        fetch = k + len(self._tombstones)
+        scores, ids = self._index.search(queries, fetch)
+        if self._tombstones:
+            dead = np.isin(ids, np.fromiter(self._tombstones, dtype=np.int64))
+            scores = np.where(dead, -np.inf, scores)
+            ids = np.where(dead, -1, ids)
+            order = np.argsort(-scores, axis=1, kind="stable")
+            scores, ids = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+        scores = np.where(ids < 0, -np.inf, scores)
+        return scores[:, :k].astype(np.float32), ids[:, :k].astype(np.int64)
+
+    # --- building -----------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, dimension: int, ids: Ids, vectors: Vectors, config: IndexConfig | None = None,
+              force_tombstones: bool = False) -> FaceIndex:
+        """A fresh index over these vectors: exact, or IVF when large enough and accurate enough."""
+        index = cls(dimension, config, force_tombstones)
+        if len(ids) > index.config.exact_max:
+            index._try_ivf(ids, vectors)
+        if index.kind is IndexKind.FLAT:
+            index.add(ids, vectors)
+        return index
+
+    def _try_ivf(self, ids: Ids, vectors: Vectors) -> None:
+        nlist = int(min(65536, max(16, 4 * math.sqrt(len(ids)))))
+        quantizer = faiss.IndexFlatIP(self.dimension)
+        ivf = faiss.IndexIVFFlat(quantizer, self.dimension, nlist, faiss.METRIC_INNER_PRODUCT)
+        sample = vectors[np.random.default_rng(0).choice(len(vectors), size=min(len(vectors), nlist * 64),
+                                                         replace=False)]
+        ivf.train(np.ascontiguousarray(sample))
+        ivf.add_with_ids(np.ascontiguousarray(vectors), np.asarray(ids, np.int64))
+        probes = genuine_probes(vectors, self.config.recall_queries)
+        exact = faiss.IndexFlatIP(self.dimension)
+        exact.add(np.ascontiguousarray(vectors))
+        _, truth_rows = exact.search(probes, 10)
+        truth = np.asarray(ids, np.int64)[truth_rows]
+        nprobe = 1
+        while nprobe <= nlist:
+            ivf.nprobe = nprobe
+            recall = recall_at_k(ivf.search(probes, 10)[1], truth)
+            if recall >= self.config.target_recall:
+                break
+            nprobe *= 2
+        cost = nprobe / nlist
+        log.info("IVF%d over %d vectors: recall@10 %.4f at nprobe %d (%.0f%% of lists scanned)",
+                 nlist, len(ids), recall, min(nprobe, nlist), 100 * min(cost, 1.0))
+        self.recall = recall
+        if recall >= self.config.target_recall and cost <= 0.25:
+            self._cpu, self.kind, self.nprobe = ivf, IndexKind.IVF, nprobe
+            self._index = self._to_device(ivf)
+            self._ids = set(np.asarray(ids).tolist())
+        else:
+            log.warning("staying exact: IVF would need to scan %.0f%% of the lists for recall %.3f",
+                        100 * min(cost, 1.0), self.config.target_recall)
+
+    # --- snapshots ----------------------------------------------------------------------------
+
+    def save(self, path: Path, seq: int, extra: dict[str, Any] | None = None) -> None:
+        """Write the index and its metadata atomically (temp files, fsync, rename; metadata last)."""
+        cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
+        meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
+                "ids": len(self._ids), "tombstones": sorted(self._tombstones), **(extra or {})}
+        for target, write in ((path, lambda p: faiss.write_index(cpu, str(p))),
+                              (path.with_suffix(".json"), lambda p: p.write_text(json.dumps(meta)))):
+            partial = target.with_name(target.name + ".partial")
+            write(partial)
+            with partial.open("rb") as handle:
+                os.fsync(handle.fileno())
+            partial.replace(target)
+
+    @classmethod
+    def load(cls, path: Path, config: IndexConfig | None = None,
+             force_tombstones: bool = False) -> tuple[FaceIndex, dict[str, Any]]:
+        """Index and metadata from ``save``; raises OSError/ValueError when missing or inconsistent."""
+        meta = json.loads(path.with_suffix(".json").read_text())
+        cpu = faiss.read_index(str(path))
+        index = cls(int(meta["dimension"]), config, force_tombstones)
+        index.kind, index.nprobe = IndexKind(meta["kind"]), int(meta["nprobe"])
+        if index.kind is IndexKind.IVF:
+            faiss.extract_index_ivf(cpu).nprobe = index.nprobe
+        stored = faiss.vector_to_array(cpu.id_map) if index.kind is IndexKind.FLAT else _ivf_ids(cpu)
+        index._tombstones = set(int(i) for i in meta.get("tombstones", []))
+        index._ids = set(stored.tolist()) - index._tombstones
+        if len(index._ids) != int(meta["ids"]):
+            raise ValueError(f"snapshot {path} holds {len(index._ids)} ids, its metadata says {meta['ids']}")
+        index._cpu = cpu
+        index._index = index._to_device(cpu)
+        return index, meta
+
+
+def _ivf_ids(index: Any) -> Ids:
+    ivf = faiss.extract_index_ivf(index)
+    invlists = ivf.invlists
+    parts = [faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy()
+             for i in range(ivf.nlist) if invlists.list_size(i)]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)

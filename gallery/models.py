@@ -1,0 +1,117 @@
+"""Database schema (SQLAlchemy 2.0, typed). The database is the source of truth; FAISS is a cache.
+
+Every change to a collection's faces appends a row to ``face_changes``: index replicas replay that
+log in ``seq`` order to stay equal to the database.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets BIGINT identities.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON}
+
+
+class ChangeOp(StrEnum):
+    ADD = "add"
+    REMOVE = "remove"
+    DROP = "drop"  # the whole collection was deleted
+
+
+class Collection(Base):
+    """One tenant's gallery: every face in it comes from one embedding model."""
+
+    __tablename__ = "collections"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    embedding_model: Mapped[str] = mapped_column(String(128))
+    dimension: Mapped[int] = mapped_column(Integer)
+    match_threshold: Mapped[float] = mapped_column(Float)
+    keep_crops: Mapped[bool] = mapped_column(default=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    identities: Mapped[list[Identity]] = relationship(
+        back_populates="collection", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Identity(Base):
+    """A person, known to the caller by ``external_id`` (unique within the collection)."""
+
+    __tablename__ = "identities"
+    __table_args__ = (UniqueConstraint("collection_id", "external_id", name="uq_identity_external_id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    collection_id: Mapped[int] = mapped_column(ForeignKey("collections.id", ondelete="CASCADE"), index=True)
+    external_id: Mapped[str] = mapped_column(String(256))
+    name: Mapped[str] = mapped_column(String(256), default="")
+    attributes: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+    collection: Mapped[Collection] = relationship(back_populates="identities")
+    faces: Mapped[list[Face]] = relationship(
+        back_populates="identity", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Face(Base):
+    """One enrolled face. Its primary key is its FAISS id."""
+
+    __tablename__ = "faces"
+    # AUTOINCREMENT: SQLite must never reuse the id of a deleted face (ids are FAISS ids).
+    __table_args__ = (Index("ix_faces_collection_sha256", "collection_id", "image_sha256"),
+                      {"sqlite_autoincrement": True})
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    identity_id: Mapped[int] = mapped_column(ForeignKey("identities.id", ondelete="CASCADE"), index=True)
+    collection_id: Mapped[int] = mapped_column(ForeignKey("collections.id", ondelete="CASCADE"), index=True)
+    embedding: Mapped[bytes] = mapped_column(LargeBinary)  # float32, L2-normalized, little-endian
+    embedding_model: Mapped[str] = mapped_column(String(128))
+    image_sha256: Mapped[str] = mapped_column(String(64))
+    box: Mapped[list[float]] = mapped_column(JSON)
+    detection_score: Mapped[float] = mapped_column(Float)
+    quality: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    crop: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # PNG of the aligned 112x112 face
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    identity: Mapped[Identity] = relationship(back_populates="faces")
+
+
+class FaceChange(Base):
+    """Append-only log of index changes, in commit order (``seq``)."""
+
+    __tablename__ = "face_changes"
+    __table_args__ = {"sqlite_autoincrement": True}
+
+    seq: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    collection_id: Mapped[int] = mapped_column(BigInteger, index=True)  # no FK: outlives the collection
+    face_id: Mapped[int] = mapped_column(BigInteger)
+    identity_id: Mapped[int] = mapped_column(BigInteger)
+    op: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

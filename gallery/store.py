@@ -1,0 +1,305 @@
+"""Transactional operations on the gallery database (the source of truth).
+
+Every write that changes which vectors exist appends ``face_changes`` rows in the same transaction,
+so a crash leaves either the whole change (rows + log) or none of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from gallery.db import Database
+from gallery.embeddings import decode_vector, encode_vector, validate_embeddings
+from gallery.errors import Conflict, ModelMismatch, NotFound
+from gallery.models import ChangeOp, Collection, Face, FaceChange, Identity
+
+
+@dataclass(frozen=True)
+class CollectionInfo:
+    id: int
+    name: str
+    embedding_model: str
+    dimension: int
+    match_threshold: float
+    keep_crops: bool
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class IdentityInfo:
+    id: int
+    collection_id: int
+    external_id: str
+    name: str
+    metadata: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class FaceInfo:
+    id: int
+    identity_id: int
+    image_sha256: str
+    box: list[float]
+    detection_score: float
+    quality: dict[str, Any]
+    has_crop: bool
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class NewFace:
+    """A face to enroll; ``embedding`` is validated and L2-normalized on the way in."""
+
+    embedding: NDArray[np.float32]
+    image_sha256: str
+    box: Sequence[float]
+    detection_score: float
+    quality: dict[str, Any] = field(default_factory=dict)
+    crop: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Change:
+    seq: int
+    collection_id: int
+    face_id: int
+    identity_id: int
+    op: ChangeOp
+
+
+def _collection_info(row: Collection) -> CollectionInfo:
+    return CollectionInfo(row.id, row.name, row.embedding_model, row.dimension, row.match_threshold,
+                          row.keep_crops, row.created_at)
+
+
+def _identity_info(row: Identity) -> IdentityInfo:
+    return IdentityInfo(row.id, row.collection_id, row.external_id, row.name, dict(row.attributes),
+                        row.created_at, row.updated_at)
+
+
+def _face_info(row: Face) -> FaceInfo:
+    return FaceInfo(row.id, row.identity_id, row.image_sha256, list(row.box), row.detection_score,
+                    dict(row.quality), row.crop is not None, row.created_at)
+
+
+class GalleryStore:
+    """Collections, identities and faces; all methods are one transaction each."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # --- collections ------------------------------------------------------------------------
+
+    def _collection(self, session: Session, name: str) -> Collection:
+        row = session.scalar(select(Collection).where(Collection.name == name))
+        if row is None:
+            raise NotFound(f"collection {name!r} does not exist", collection=name)
+        return row
+
+    def create_collection(self, name: str, embedding_model: str, dimension: int, match_threshold: float,
+                          keep_crops: bool = True) -> CollectionInfo:
+        if not name or dimension <= 0 or not -1.0 <= match_threshold <= 1.0:
+            raise ValueError("a collection needs a name, a positive dimension and a threshold in [-1, 1]")
+        try:
+            with self.db.write() as session:
+                row = Collection(name=name, embedding_model=embedding_model, dimension=dimension,
+                                 match_threshold=match_threshold, keep_crops=keep_crops)
+                session.add(row)
+                session.flush()
+                return _collection_info(row)
+        except IntegrityError as exc:
+            raise Conflict(f"collection {name!r} already exists", collection=name) from exc
+
+    def get_collection(self, name: str) -> CollectionInfo:
+        with self.db.read() as session:
+            return _collection_info(self._collection(session, name))
+
+    def list_collections(self) -> list[CollectionInfo]:
+        with self.db.read() as session:
+            return [_collection_info(r) for r in session.scalars(select(Collection).order_by(Collection.id))]
+
+    def delete_collection(self, name: str) -> int:
+        """Delete a collection with everything in it; returns the number of faces removed."""
+        with self.db.write() as session:
+            collection = self._collection(session, name)
+            count = session.scalar(select(func.count()).where(Face.collection_id == collection.id)) or 0
+            self._log(session, collection.id, [(0, 0)], ChangeOp.DROP)
+            session.execute(delete(Face).where(Face.collection_id == collection.id))
+            session.execute(delete(Identity).where(Identity.collection_id == collection.id))
+            session.delete(collection)
+            return int(count)
+
+    # --- identities -------------------------------------------------------------------------
+
+    def _identity(self, session: Session, collection_id: int, external_id: str) -> Identity:
+        row = session.scalar(select(Identity).where(Identity.collection_id == collection_id,
+                                                    Identity.external_id == external_id))
+        if row is None:
+            raise NotFound(f"identity {external_id!r} does not exist", external_id=external_id)
+        return row
+
+    def create_identity(self, collection: str, external_id: str, name: str = "",
+                        metadata: dict[str, Any] | None = None) -> IdentityInfo:
+        if not external_id:
+            raise ValueError("external_id must not be empty")
+        try:
+            with self.db.write() as session:
+                owner = self._collection(session, collection)
+                row = Identity(collection_id=owner.id, external_id=external_id, name=name,
+                               attributes=dict(metadata or {}))
+                session.add(row)
+                session.flush()
+                return _identity_info(row)
+        except IntegrityError as exc:
+            raise Conflict(f"identity {external_id!r} already exists in {collection!r}",
+                           external_id=external_id) from exc
+
+    def get_identity(self, collection: str, external_id: str) -> IdentityInfo:
+        with self.db.read() as session:
+            return _identity_info(self._identity(session, self._collection(session, collection).id, external_id))
+
+    def list_identities(self, collection: str, offset: int = 0, limit: int = 50,
+                        name_contains: str | None = None) -> tuple[list[IdentityInfo], int]:
+        with self.db.read() as session:
+            query = select(Identity).where(Identity.collection_id == self._collection(session, collection).id)
+            if name_contains:
+                query = query.where(func.lower(Identity.name).contains(name_contains.lower(), autoescape=True))
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.scalars(query.order_by(Identity.id).offset(offset).limit(limit))
+            return [_identity_info(r) for r in rows], int(total)
+
+    def update_identity(self, collection: str, external_id: str, name: str | None = None,
+                        metadata: dict[str, Any] | None = None) -> IdentityInfo:
+        with self.db.write() as session:
+            row = self._identity(session, self._collection(session, collection).id, external_id)
+            if name is not None:
+                row.name = name
+            if metadata is not None:
+                row.attributes = dict(metadata)
+            session.flush()
+            return _identity_info(row)
+
+    def delete_identity(self, collection: str, external_id: str) -> list[int]:
+        """Erase an identity: its faces (vectors, crops) and its row. Returns the removed face ids."""
+        with self.db.write() as session:
+            owner = self._collection(session, collection)
+            row = self._identity(session, owner.id, external_id)
+            face_ids = list(session.scalars(select(Face.id).where(Face.identity_id == row.id)))
+            self._log(session, owner.id, [(f, row.id) for f in face_ids], ChangeOp.REMOVE)
+            session.execute(delete(Face).where(Face.identity_id == row.id))
+            session.delete(row)
+            return face_ids
+
+    # --- faces ------------------------------------------------------------------------------
+
+    def add_faces(self, collection: str, external_id: str, faces: Sequence[NewFace], embedding_model: str,
+                  create: tuple[str, dict[str, Any]] | None = None) -> tuple[IdentityInfo, list[FaceInfo]]:
+        """Enroll faces to an identity in one transaction; with ``create`` = (name, metadata) the
+        identity is created first when missing. Either every face is stored, or none."""
+        with self.db.write() as session:
+            owner = self._collection(session, collection)
+            if embedding_model != owner.embedding_model:
+                raise ModelMismatch(
+                    f"collection {collection!r} holds {owner.embedding_model} embeddings, not {embedding_model}",
+                    expected=owner.embedding_model, got=embedding_model)
+            vectors = validate_embeddings([f.embedding for f in faces], owner.dimension)
+            identity = session.scalar(select(Identity).where(Identity.collection_id == owner.id,
+                                                             Identity.external_id == external_id))
+            if identity is None and create is None:
+                raise NotFound(f"identity {external_id!r} does not exist", external_id=external_id)
+            if identity is None and create is not None:
+                identity = Identity(collection_id=owner.id, external_id=external_id, name=create[0],
+                                    attributes=dict(create[1]))
+                session.add(identity)
+                session.flush()
+            assert identity is not None  # narrowed above; not input validation
+            rows = [
+                Face(identity_id=identity.id, collection_id=owner.id, embedding=encode_vector(vector),
+                     embedding_model=embedding_model, image_sha256=face.image_sha256,
+                     box=[float(v) for v in face.box], detection_score=float(face.detection_score),
+                     quality=dict(face.quality), crop=face.crop if owner.keep_crops else None)
+                for face, vector in zip(faces, vectors, strict=True)
+            ]
+            session.add_all(rows)
+            session.flush()
+            self._log(session, owner.id, [(r.id, identity.id) for r in rows], ChangeOp.ADD)
+            return _identity_info(identity), [_face_info(r) for r in rows]
+
+    def list_faces(self, collection: str, external_id: str) -> list[FaceInfo]:
+        with self.db.read() as session:
+            identity = self._identity(session, self._collection(session, collection).id, external_id)
+            return [_face_info(r) for r in session.scalars(
+                select(Face).where(Face.identity_id == identity.id).order_by(Face.id))]
+
+    def delete_face(self, collection: str, face_id: int) -> None:
+        with self.db.write() as session:
+            owner = self._collection(session, collection)
+            row = session.scalar(select(Face).where(Face.id == face_id, Face.collection_id == owner.id))
+            if row is None:
+                raise NotFound(f"face {face_id} does not exist in {collection!r}", face_id=face_id)
+            self._log(session, owner.id, [(row.id, row.identity_id)], ChangeOp.REMOVE)
+            session.delete(row)
+
+    def known_hashes(self, collection: str) -> set[str]:
+        """sha256 of every image already enrolled in the collection (import resumability)."""
+        with self.db.read() as session:
+            owner = self._collection(session, collection)
+            return set(session.scalars(select(Face.image_sha256).where(Face.collection_id == owner.id)))
+
+    # --- change log and bulk reads for the index ---------------------------------------------
+
+    @staticmethod
+    def _log(session: Session, collection_id: int, faces: Iterable[tuple[int, int]], op: ChangeOp) -> None:
+        session.add_all(FaceChange(collection_id=collection_id, face_id=f, identity_id=i, op=op.value)
+                        for f, i in faces)
+
+    def changes_since(self, seq: int, limit: int = 10_000) -> list[Change]:
+        with self.db.read() as session:
+            rows = session.scalars(select(FaceChange).where(FaceChange.seq > seq).order_by(FaceChange.seq).limit(limit))
+            return [Change(r.seq, r.collection_id, r.face_id, r.identity_id, ChangeOp(r.op)) for r in rows]
+
+    def last_seq(self) -> int:
+        with self.db.read() as session:
+            return int(session.scalar(select(func.max(FaceChange.seq))) or 0)
+
+    def vectors(self, face_ids: Sequence[int], dimension: int) -> dict[int, NDArray[np.float32]]:
+        """Embeddings of the faces that still exist, by id."""
+        found: dict[int, NDArray[np.float32]] = {}
+        with self.db.read() as session:
+            for start in range(0, len(face_ids), 5000):
+                chunk = face_ids[start : start + 5000]
+                for face_id, blob in session.execute(select(Face.id, Face.embedding).where(Face.id.in_(chunk))):
+                    found[face_id] = decode_vector(blob, dimension)
+        return found
+
+    def collection_vectors(self, collection_id: int, dimension: int
+                           ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float32]]:
+        """Face ids, identity ids and embeddings [N, D] of a whole collection."""
+        with self.db.read() as session:
+            rows = session.execute(select(Face.id, Face.identity_id, Face.embedding)
+                                   .where(Face.collection_id == collection_id).order_by(Face.id)).all()
+        ids = np.array([r[0] for r in rows], dtype=np.int64)
+        identities = np.array([r[1] for r in rows], dtype=np.int64)
+        matrix = np.frombuffer(b"".join(r[2] for r in rows), dtype="<f4").reshape(len(rows), dimension)
+        return ids, identities, matrix.astype(np.float32)
+
+    def identity_labels(self, identity_ids: Iterable[int]) -> dict[int, tuple[str, str]]:
+        """(external_id, name) by identity id."""
+        wanted = sorted(set(identity_ids))
+        if not wanted:
+            return {}
+        with self.db.read() as session:
+            rows = session.execute(select(Identity.id, Identity.external_id, Identity.name)
+                                   .where(Identity.id.in_(wanted)))
+            return {r[0]: (r[1], r[2]) for r in rows}
