@@ -102,15 +102,16 @@ class Gallery:
             return None
         try:
             index, meta = FaceIndex.load(path, self.config, self._force_tombstones)
-        except (OSError, ValueError, RuntimeError) as exc:
-            log.warning("ignoring snapshot %s: %s", path, exc)
+            seq = int(meta["seq"])
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:  # malformed metadata too
+            log.warning("ignoring snapshot %s: %r", path, exc)
             return None
         if meta.get("embedding_model") != info.embedding_model or index.dimension != info.dimension:
             log.warning("ignoring snapshot %s: made for another model", path)
             return None
         ids, identities, _ = self.store.collection_vectors(info.id, info.dimension)
         mapping = dict(zip(ids.tolist(), identities.tolist(), strict=True))
-        return _Collection(info, index, mapping), int(meta["seq"])
+        return _Collection(info, index, mapping), seq
 
     def _build(self, info: CollectionInfo) -> _Collection:
         ids, identities, vectors = self.store.collection_vectors(info.id, info.dimension)
@@ -121,10 +122,12 @@ class Gallery:
         """Recreate indexes from the database (all collections, or one)."""
         with self._lock:
             seq = self.store.last_seq()
+            kept = set(self._collections)  # indexes not rebuilt here still need every change after _applied
             for info in self.store.list_collections():
                 if collection is None or info.name == collection:
                     self._collections[info.id] = self._build(info)
-            self._applied = min(self._applied, seq) if self.loaded else seq
+                    kept.discard(info.id)
+            self._applied = min(self._applied, seq) if self.loaded or kept else seq
             self.sync()
 
     def snapshot(self) -> list[Path]:
@@ -211,6 +214,11 @@ class Gallery:
             if info.id not in self._collections:
                 self._collections[info.id] = self._build(info)
             return self._collections[info.id]
+
+    def sizes(self) -> dict[str, int]:
+        """Faces per loaded collection index, by collection name."""
+        with self._lock:
+            return {entry.info.name: len(entry.index) for entry in self._collections.values()}
 
     def size(self, collection: str) -> int:
         return len(self._entry(collection).index)

@@ -303,3 +303,12 @@ class GalleryStore:
             rows = session.execute(select(Identity.id, Identity.external_id, Identity.name)
                                    .where(Identity.id.in_(wanted)))
             return {r[0]: (r[1], r[2]) for r in rows}
+
+    def identity_vectors(self, collection: str, external_id: str) -> NDArray[np.float32]:
+        """Embeddings [N, D] of one identity's faces (for 1:1 verification)."""
+        with self.db.read() as session:
+            owner = self._collection(session, collection)
+            identity = self._identity(session, owner.id, external_id)
+            blobs = list(session.scalars(select(Face.embedding).where(Face.identity_id == identity.id)))
+        return np.array([decode_vector(b, owner.dimension) for b in blobs], dtype=np.float32).reshape(
+            -1, owner.dimension)

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -121,6 +122,8 @@ class TritonServer:
                 f"no model repository at {self.model_repository}: run `python -m export defaults`"
             )
         _install_stub(bundled_server_dir())
+        if self.log_file:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
         output = self.log_file.open("ab") if self.log_file else None
         log.info("starting tritonserver on 127.0.0.1 (http %d, grpc %d, metrics %d)",
                  self.ports.http, self.ports.grpc, self.ports.metrics)

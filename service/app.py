@@ -1,0 +1,125 @@
+"""The FastAPI application: ``create_app(settings)`` builds it; the lifespan owns the clients.
+
+Clients live on ``app.state`` (no module globals): the Triton gRPC client, the database engine,
+the gallery (its indexes follow the database change log in a background thread, so replicas stay
+consistent), the API keys and the metrics registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+
+from fastapi import FastAPI, Request, Response
+
+from gallery.db import Database, create_db_engine, migrate
+from gallery.gallery import Gallery
+from gallery.index import IndexConfig
+from gallery.store import GalleryStore
+from service.auth import KeyStore
+from service.errors import error_response, install_error_handlers
+from service.images import BodySizeLimit
+from service.logs import request_id
+from service.metrics import Metrics
+from service.pipeline_client import AsyncPipelineClient
+from service.recognition import FaceService
+from service.routers import collections, health, identities, recognition
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """
+Face recognition on NVIDIA Triton: detection (RetinaFace), 5-point alignment and embeddings (SFace by
+default) run server-side in `face_pipeline`; matching runs on a FAISS gallery backed by a SQL database.
+
+**Authentication**: `X-API-Key: <key>`. The admin key (from the settings) manages collections and keys;
+a collection key reaches only its own collection. **Images**: multipart uploads or base64 in JSON
+(JPEG, PNG, WebP, BMP). **Errors**: `{"code", "message", "details"}` with a stable `code`.
+**Scores** are cosine similarities; `confidence` is 0.5 at the threshold (see docs/calibration.md).
+"""
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def _route_template(request: Request) -> str:
+    """The matched route's path template (bounded label values for metrics), set by the router."""
+    return str(getattr(request.scope.get("route"), "path", "unmatched"))
+
+
+async def _snapshot_periodically(gallery: Gallery, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(gallery.snapshot)
+        except Exception:  # a failed snapshot only costs a longer replay at the next start
+            log.exception("gallery snapshot failed")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    engine = create_db_engine(settings.database.url)
+    await asyncio.to_thread(migrate, engine)
+    db = Database(engine)
+    store = GalleryStore(db)
+    gallery = Gallery(store, settings.gallery.snapshot_dir, IndexConfig(exact_max=settings.gallery.exact_max))
+    await asyncio.to_thread(gallery.load)
+    gallery.start_follower(settings.gallery.follow_interval_s)
+    pipeline = AsyncPipelineClient(settings.triton.url, settings.triton.timeout_s)
+    app.state.store, app.state.gallery = store, gallery
+    app.state.keys = KeyStore(db, settings.security.admin_key.get_secret_value())
+    app.state.metrics.watch_gallery(gallery.sizes)
+    app.state.faces = FaceService(pipeline, gallery, store, app.state.metrics, settings.quality.thresholds(),
+                                  settings.limits.max_faces, settings.limits.max_k)
+    snapshots = asyncio.create_task(_snapshot_periodically(gallery, settings.gallery.snapshot_interval_s))
+    log.info("gateway ready: triton %s, database %s", settings.triton.url, engine.url.render_as_string())
+    try:
+        yield
+    finally:
+        snapshots.cancel()
+        with suppress(asyncio.CancelledError):
+            await snapshots
+        gallery.stop_follower()
+        await asyncio.to_thread(gallery.snapshot)
+        await pipeline.close()
+        engine.dispose()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    app = FastAPI(title="facerec-triton", version="1.0.0", description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    install_error_handlers(app)
+    for router in (health.router, collections.router, identities.router, recognition.router):
+        app.include_router(router)
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        incoming = request.headers.get("x-request-id", "")
+        rid = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        token = request_id.set(rid)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(settings.limits.request_timeout_s):
+                response = await call_next(request)
+        except TimeoutError:
+            response = error_response(504, "timeout", f"no answer within {settings.limits.request_timeout_s} s")
+        finally:
+            request_id.reset(token)
+        elapsed = time.perf_counter() - started
+        route = _route_template(request)
+        metrics: Metrics = request.app.state.metrics
+        metrics.requests.labels(request.method, route, str(response.status_code)).inc()
+        metrics.latency.labels(request.method, route).observe(elapsed)
+        response.headers["X-Request-ID"] = rid
+        log.info("%s %s -> %d", request.method, route, response.status_code,
+                 extra={"fields": {"request_id": rid, "status": response.status_code,
+                                   "duration_ms": round(elapsed * 1000, 1), "path": request.url.path}})
+        return response
+
+    app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)
+    return app

@@ -1,0 +1,141 @@
+"""One error model for the whole API: ``{"code", "message", "details"}`` with a stable ``code``.
+
+Client mistakes are 4xx, a missing dependency (Triton, the database) is 503 with Retry-After, a
+timeout 504; anything else is a logged, generic 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gallery.errors import Conflict, CropsMissing, GalleryError, InvalidEmbedding, ModelMismatch, NotFound
+from service.pipeline_client import PipelineError
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+class ApiError(Exception):
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, code: str | None = None, status: int | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+
+
+class Forbidden(ApiError):
+    status, code = 403, "forbidden"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class UnsupportedMedia(ApiError):
+    status, code = 415, "unsupported_media_type"
+
+
+class Unprocessable(ApiError):
+    status, code = 422, "unprocessable"
+
+
+class Unavailable(ApiError):
+    status, code = 503, "service_unavailable"
+
+
+class Timeout(ApiError):
+    status, code = 504, "timeout"
+
+
+_GALLERY_STATUS: dict[type[GalleryError], int] = {
+    NotFound: 404, Conflict: 409, InvalidEmbedding: 422, ModelMismatch: 409, CropsMissing: 409,
+}
+
+
+def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return ErrorBody(code=code, message=message, details=details or {}).model_dump()
+
+
+def error_response(status: int, code: str, message: str, details: dict[str, Any] | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(code, message, details), status_code=status, headers=headers)
+
+
+def pipeline_error(exc: PipelineError) -> ApiError:
+    """A face_pipeline failure: the caller's image (400), or Triton unreachable/failing (503)."""
+    if exc.invalid_input:
+        return ApiError(str(exc), code="invalid_image")
+    if exc.status == "StatusCode.DEADLINE_EXCEEDED":
+        return Timeout("face_pipeline did not answer in time")
+    return Unavailable(f"the inference server is unavailable: {exc}", code="triton_unavailable")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return error_response(exc.status, exc.code, exc.message, exc.details, headers)
+
+    @app.exception_handler(GalleryError)
+    async def gallery_error(_: Request, exc: GalleryError) -> JSONResponse:
+        return error_response(_GALLERY_STATUS.get(type(exc), 400), exc.code, exc.message, exc.details)
+
+    @app.exception_handler(PipelineError)
+    async def triton_error(request: Request, exc: PipelineError) -> JSONResponse:
+        return await api_error(request, pipeline_error(exc))
+
+    @app.exception_handler(OperationalError)
+    async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
+        log.warning("database unavailable: %s", exc.orig)
+        return error_response(503, "database_unavailable", "the database is unavailable", {},
+                              {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(DBAPIError)
+    async def database_error(_: Request, exc: DBAPIError) -> JSONResponse:
+        if exc.connection_invalidated:
+            return error_response(503, "database_unavailable", "the database connection was lost", {},
+                                  {"Retry-After": str(RETRY_AFTER_S)})
+        log.exception("database error", exc_info=exc)
+        return error_response(500, "internal_error", "internal error")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                  for e in exc.errors()]
+        return error_response(422, "validation_error", "the request is not valid", {"errors": errors})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+        return error_response(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
+                              headers=dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal_error", "internal error; the request id is in the logs")

@@ -1,0 +1,137 @@
+"""Images at the edge: multipart uploads or base64 JSON, size limits, media-type sniffing.
+
+The gateway checks what it can without decoding (body size, magic bytes, pixel count from the
+header) so that bad uploads get a precise 4xx before anything reaches Triton.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from facecore.processing import ImageError, image_header
+from service.errors import ApiError, PayloadTooLarge, UnsupportedMedia, error_response
+
+_MAGIC = ((b"\xff\xd8\xff", "image/jpeg"), (b"\x89PNG\r\n\x1a\n", "image/png"), (b"BM", "image/bmp"))
+
+
+def sniff(data: bytes) -> str | None:
+    """The media type from the first bytes, for the formats the pipeline accepts."""
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((media for magic, media in _MAGIC if data.startswith(magic)), None)
+
+
+def check_image(data: bytes, max_pixels: int, label: str = "image") -> bytes:
+    """Raise the right 4xx for empty, unsupported, oversized or unreadable images."""
+    if not data:
+        raise ApiError(f"{label} is empty", code="invalid_image")
+    if sniff(data) is None:
+        raise UnsupportedMedia(f"{label} is not JPEG, PNG, WebP or BMP")
+    try:
+        image_header(data, max_pixels)
+    except ImageError as exc:
+        if "above the limit" in str(exc) or "too large" in str(exc):
+            raise PayloadTooLarge(f"{label}: {exc}", code="too_many_pixels", max_pixels=max_pixels) from exc
+        raise ApiError(f"{label}: {exc}", code="invalid_image") from exc
+    return data
+
+
+def decode_base64(value: str, label: str) -> bytes:
+    payload = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(f"{label} is not valid base64", code="invalid_base64") from exc
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """Images and the other form/JSON fields of a request."""
+
+    images: list[bytes]
+    fields: dict[str, Any]
+
+
+async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int, max_images: int,
+                      json_model: type[BaseModel], check: bool = True) -> Uploaded:
+    """Images from ``fields`` of a multipart form, or from a JSON body validated by ``json_model``.
+
+    With ``check`` every image is vetted by ``check_image`` (the first bad one raises)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        form = await request.form(max_files=max_images + 1, max_fields=32)
+        images: list[bytes] = []
+        others: dict[str, Any] = {}
+        for key, value in form.multi_items():
+            if key in fields and isinstance(value, UploadFile):
+                images.append(await value.read())
+            elif key in fields:
+                raise ApiError(f"form field {key!r} must be a file upload", code="invalid_image")
+            else:
+                others[key] = value
+        labels = [f"{fields[0]}[{i}]" if len(images) > 1 else fields[0] for i in range(len(images))]
+    elif content_type == "application/json":
+        try:
+            body = json_model.model_validate(json.loads(await request.body()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError("the body is not valid JSON", code="invalid_json") from exc
+        except ValidationError as exc:
+            details = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+            raise ApiError("the request is not valid", code="validation_error", status=422, errors=details) from exc
+        data = body.model_dump()
+        encoded = [v for f in fields if f in data for v in (data[f] if isinstance(data[f], list) else [data[f]])]
+        labels = [f for f in fields if f in data for _ in (data[f] if isinstance(data[f], list) else [0])]
+        images = [decode_base64(v, label) for v, label in zip(encoded, labels, strict=True)]
+        others = {k: v for k, v in data.items() if k not in fields}
+    else:
+        raise UnsupportedMedia("send multipart/form-data or application/json", content_type=content_type)
+    if not images:
+        raise ApiError(f"no image: send the {' / '.join(fields)} field", code="missing_image")
+    if len(images) > max_images:
+        raise PayloadTooLarge(f"{len(images)} images; at most {max_images} per request", code="too_many_images")
+    if check:
+        images = [check_image(d, max_pixels, label) for d, label in zip(images, labels, strict=True)]
+    return Uploaded(images, others)
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 as soon as a request body exceeds ``max_bytes`` (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # handled by the app's HTTPException handler: a 413 body
+                    raise StarletteHTTPException(413, f"request body above {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, "payload_too_large", f"request body above {self.max_bytes} bytes",
+                                  {"max_bytes": self.max_bytes})
+        await response(scope, receive, send)

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the gateway (one registry per app, so tests and replicas stay separate)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
+
+
+class GallerySizes(Collector):
+    """``facerec_gallery_faces{collection}``, read from the live indexes at scrape time."""
+
+    def __init__(self, sizes: Callable[[], dict[str, int]]) -> None:
+        self._sizes = sizes
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("facerec_gallery_faces", "faces in each collection's index",
+                                   labels=["collection"])
+        for name, size in sorted(self._sizes().items()):
+            family.add_metric([name], size)
+        yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("facerec_http_requests", "HTTP requests", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("facerec_http_request_duration_seconds", "HTTP request latency",
+                                 ["method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.triton_latency = Histogram("facerec_triton_request_duration_seconds",
+                                        "face_pipeline gRPC call latency", buckets=LATENCY_BUCKETS,
+                                        registry=self.registry)
+        self.faces = Histogram("facerec_faces_per_request", "faces detected per image",
+                               buckets=(0, 1, 2, 3, 5, 10, 20, 50, 100), registry=self.registry)
+
+    def watch_gallery(self, sizes: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(GallerySizes(sizes))

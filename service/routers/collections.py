@@ -1,0 +1,72 @@
+"""Collections and their API keys (admin only)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, status
+
+from gallery.store import CollectionInfo
+from service import schemas
+from service.deps import AdminDep, CollectionAccessDep, GalleryDep, KeysDep, ServiceDep, StoreDep
+
+router = APIRouter(prefix="/v1/collections", tags=["collections"])
+
+
+def collection_out(info: CollectionInfo, faces: int) -> schemas.CollectionOut:
+    return schemas.CollectionOut(name=info.name, embedding_model=info.embedding_model, dimension=info.dimension,
+                                 match_threshold=info.match_threshold, keep_crops=info.keep_crops, faces=faces,
+                                 created_at=info.created_at)
+
+
+@router.post("", response_model=schemas.CollectionOut, status_code=status.HTTP_201_CREATED,
+             summary="Create a collection for the embedding model Triton serves")
+async def create_collection(body: schemas.CollectionCreate, _: AdminDep, service: ServiceDep,
+                            store: StoreDep) -> schemas.CollectionOut:
+    spec = await service.embedder()
+    threshold = spec.match_threshold if body.match_threshold is None else body.match_threshold
+    info = await asyncio.to_thread(store.create_collection, body.name, spec.name, spec.embedding_dim, threshold,
+                                   body.keep_crops)
+    return collection_out(info, 0)
+
+
+@router.get("", response_model=list[schemas.CollectionOut], summary="List collections")
+async def list_collections(_: AdminDep, store: StoreDep, gallery: GalleryDep) -> list[schemas.CollectionOut]:
+    infos = await asyncio.to_thread(store.list_collections)
+    sizes = gallery.sizes()
+    return [collection_out(info, sizes.get(info.name, 0)) for info in infos]
+
+
+@router.get("/{collection}", response_model=schemas.CollectionOut, summary="Get a collection")
+async def get_collection(collection: str, _: CollectionAccessDep, store: StoreDep,
+                         gallery: GalleryDep) -> schemas.CollectionOut:
+    info = await asyncio.to_thread(store.get_collection, collection)
+    return collection_out(info, await asyncio.to_thread(gallery.size, collection))
+
+
+@router.delete("/{collection}", status_code=status.HTTP_204_NO_CONTENT,
+               summary="Delete a collection with all its identities, faces and keys")
+async def delete_collection(collection: str, _: AdminDep, store: StoreDep, gallery: GalleryDep) -> None:
+    await asyncio.to_thread(store.delete_collection, collection)
+    await asyncio.to_thread(gallery.sync)
+
+
+@router.post("/{collection}/keys", response_model=schemas.KeyCreated, status_code=status.HTTP_201_CREATED,
+             summary="Create an API key for this collection (the secret is shown once)")
+async def create_key(collection: str, body: schemas.KeyCreate, _: AdminDep, keys: KeysDep) -> schemas.KeyCreated:
+    key, info = await asyncio.to_thread(keys.create, collection, body.label)
+    return schemas.KeyCreated(key=key, id=info.id, prefix=info.prefix, label=info.label,
+                              created_at=info.created_at, revoked_at=None)
+
+
+@router.get("/{collection}/keys", response_model=list[schemas.KeyOut], summary="List this collection's keys")
+async def list_keys(collection: str, _: AdminDep, keys: KeysDep) -> list[schemas.KeyOut]:
+    return [schemas.KeyOut(id=k.id, prefix=k.prefix, label=k.label, created_at=k.created_at,
+                           revoked_at=k.revoked_at) for k in await asyncio.to_thread(keys.list, collection)]
+
+
+@router.delete("/{collection}/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Revoke a key")
+async def revoke_key(collection: str, key_id: Annotated[int, Path(ge=1, le=2**63 - 1)], _: AdminDep, keys: KeysDep) -> None:
+    await asyncio.to_thread(keys.revoke, collection, key_id)

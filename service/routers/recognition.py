@@ -1,0 +1,98 @@
+"""Detect, identify (1:N, single and batch) and verify (1:1)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+
+from service import schemas
+from service.deps import CallerDep, CollectionAccessDep, ServiceDep, SettingsDep
+from service.errors import ApiError, error_body
+from service.images import check_image, read_images
+from service.openapi import image_body
+from service.pipeline_client import PipelineError
+
+router = APIRouter(tags=["recognition"])
+
+ONE_IMAGE = image_body(schemas.ImageJson, {"image": False}, example={"image": "<base64 JPEG>"})
+BATCH = image_body(schemas.BatchJson, {"images": True}, example={"images": ["<base64 JPEG>", "<base64 PNG>"]})
+PAIR = image_body(schemas.VerifyJson, {"image_a": False, "image_b": False},
+                  example={"image_a": "<base64 JPEG>", "image_b": "<base64 JPEG>"})
+Threshold = Annotated[float | None, Query(ge=-1, le=1, description="match threshold (default: the collection's "
+                                                                   "or the model's)")]
+TopK = Annotated[int, Query(ge=1, le=100, description="candidates per face")]
+
+
+@router.post("/v1/detect", response_model=schemas.DetectResponse, openapi_extra=ONE_IMAGE,
+             summary="Every face with box, score, landmarks and quality measures")
+async def detect(request: Request, _: CallerDep, service: ServiceDep, settings: SettingsDep
+                 ) -> schemas.DetectResponse:
+    uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
+    return await service.detect(uploaded.images[0])
+
+
+@router.post("/v1/collections/{collection}/identify", response_model=schemas.IdentifyResponse,
+             openapi_extra=ONE_IMAGE, summary="1:N: who is each face in the image (or unknown)")
+async def identify(collection: str, request: Request, _: CollectionAccessDep, service: ServiceDep,
+                   settings: SettingsDep, k: TopK = 5, threshold: Threshold = None) -> schemas.IdentifyResponse:
+    uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
+    return await service.identify(collection, uploaded.images[0], k, threshold)
+
+
+@router.post("/v1/collections/{collection}/identify/batch", response_model=schemas.BatchIdentifyResponse,
+             openapi_extra=BATCH, summary="1:N for several images; each image succeeds or fails alone")
+async def identify_batch(collection: str, request: Request, _: CollectionAccessDep, service: ServiceDep,
+                         settings: SettingsDep, k: TopK = 5, threshold: Threshold = None
+                         ) -> schemas.BatchIdentifyResponse:
+    import asyncio
+
+    limits = settings.limits
+    uploaded = await read_images_lenient(request, limits.max_pixels, limits.max_batch_images)
+
+    async def one(index: int, data: bytes | ApiError) -> schemas.BatchItem:
+        try:
+            if isinstance(data, ApiError):
+                raise data
+            return schemas.BatchItem(index=index, result=await service.identify(collection, data, k, threshold))
+        except ApiError as exc:
+            return schemas.BatchItem(index=index, error=error_body(exc.code, exc.message, exc.details))
+        except PipelineError as exc:
+            if not exc.invalid_input:
+                raise
+            return schemas.BatchItem(index=index, error=error_body("invalid_image", str(exc)))
+
+    return schemas.BatchIdentifyResponse(results=list(await asyncio.gather(*(one(i, d) for i, d in
+                                                                              enumerate(uploaded)))))
+
+
+async def read_images_lenient(request: Request, max_pixels: int, max_images: int) -> list[bytes | ApiError]:
+    """Batch images where a bad one becomes its own error instead of failing the request."""
+    uploaded = await read_images(request, ("images",), max_pixels, max_images, schemas.BatchJson, check=False)
+    checked: list[bytes | ApiError] = []
+    for index, data in enumerate(uploaded.images):
+        try:
+            checked.append(check_image(data, max_pixels, f"images[{index}]"))
+        except ApiError as exc:
+            checked.append(exc)
+    return checked
+
+
+@router.post("/v1/verify", response_model=schemas.VerifyResponse, openapi_extra=PAIR,
+             summary="1:1: are the (largest) faces of two images the same person")
+async def verify(request: Request, _: CallerDep, service: ServiceDep, settings: SettingsDep,
+                 threshold: Threshold = None) -> schemas.VerifyResponse:
+    uploaded = await read_images(request, ("image_a", "image_b"), settings.limits.max_pixels, 2,
+                                 schemas.VerifyJson)
+    if len(uploaded.images) != 2:
+        raise ApiError("send exactly two images: image_a and image_b", code="missing_image")
+    return await service.verify_images(uploaded.images[0], uploaded.images[1], threshold)
+
+
+@router.post("/v1/collections/{collection}/identities/{external_id}/verify", response_model=schemas.VerifyResponse,
+             openapi_extra=ONE_IMAGE, summary="1:1: is the (largest) face of the image this identity")
+async def verify_identity(collection: str, external_id: str, request: Request, _: CollectionAccessDep,
+                          service: ServiceDep, settings: SettingsDep, threshold: Threshold = None
+                          ) -> schemas.VerifyResponse:
+    uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
+    return await service.verify_identity(collection, external_id, uploaded.images[0], threshold)

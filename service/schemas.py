@@ -1,0 +1,202 @@
+"""Request and response models of REST API v1 (they are the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                            examples=["employees"])]
+ExternalId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^/\s][^/]*$", examples=["emp-0042"])]
+Base64Image = Annotated[str, Field(min_length=1, description="JPEG, PNG, WebP or BMP bytes, base64 (a data: URI "
+                                                             "prefix is accepted)")]
+
+
+class Box(BaseModel):
+    x1: float
+    y1: float
+    x2: float
+    y2: float
+
+
+class Point(BaseModel):
+    x: float
+    y: float
+
+
+class Quality(BaseModel):
+    face_size: float = Field(description="shorter side of the box, pixels")
+    blur: float = Field(description="variance of the Laplacian of the aligned 112x112 crop (low = blurry)")
+    yaw: float = Field(description="degrees, estimated from the landmarks")
+    pitch: float
+    roll: float
+    detection_score: float
+
+
+class DetectedFace(BaseModel):
+    box: Box
+    score: float = Field(description="detection score")
+    landmarks: list[Point] = Field(description="left eye, right eye, nose, left and right mouth corners")
+    quality: Quality
+
+
+class DetectResponse(BaseModel):
+    width: int
+    height: int
+    faces: list[DetectedFace]
+
+
+class CollectionCreate(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"name": "employees", "match_threshold": 0.4}]})
+
+    name: Name
+    match_threshold: float | None = Field(None, ge=-1, le=1, description="default: the embedding model's")
+    keep_crops: bool = Field(True, description="store aligned crops (needed to re-embed with a new model)")
+
+
+class CollectionOut(BaseModel):
+    name: str
+    embedding_model: str
+    dimension: int
+    match_threshold: float
+    keep_crops: bool
+    faces: int = Field(description="faces in the collection's index")
+    created_at: datetime
+
+
+class KeyCreate(BaseModel):
+    label: str = Field("", max_length=128, examples=["kiosk-3"])
+
+
+class KeyOut(BaseModel):
+    id: int
+    prefix: str
+    label: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="the secret; shown once, store it now")
+
+
+class IdentityCreate(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"external_id": "emp-0042", "name": "Ada Lovelace", "metadata": {"team": "analytics"}}]})
+
+    external_id: ExternalId
+    name: str = Field("", max_length=256)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class IdentityUpdate(BaseModel):
+    name: str | None = Field(None, max_length=256)
+    metadata: dict[str, Any] | None = None
+
+
+class IdentityOut(BaseModel):
+    external_id: str
+    name: str
+    metadata: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+
+
+class IdentityPage(BaseModel):
+    items: list[IdentityOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class FaceOut(BaseModel):
+    id: int
+    image_sha256: str
+    box: Box
+    detection_score: float
+    quality: dict[str, float]
+    has_crop: bool
+    created_at: datetime
+
+
+class FaceChoice(StrEnum):
+    ONLY = "only"  # refuse images with several faces
+    LARGEST = "largest"
+
+
+class EnrollJson(BaseModel):
+    images: list[Base64Image] = Field(min_length=1)
+    face: FaceChoice = FaceChoice.ONLY
+    box: list[float] | None = Field(None, min_length=4, max_length=4, description="x1,y1,x2,y2: the face to take")
+
+
+class EnrollResponse(BaseModel):
+    identity: IdentityOut
+    faces: list[FaceOut]
+
+
+class ImageJson(BaseModel):
+    image: Base64Image
+
+
+class BatchJson(BaseModel):
+    images: list[Base64Image] = Field(min_length=1)
+
+
+class VerifyJson(BaseModel):
+    image_a: Base64Image
+    image_b: Base64Image
+
+
+class Candidate(BaseModel):
+    external_id: str
+    name: str
+    score: float = Field(description="cosine similarity of the identity's closest enrolled face")
+    confidence: float = Field(description="match confidence in [0, 1]; 0.5 at the threshold (see docs)")
+
+
+class IdentifiedFace(BaseModel):
+    box: Box
+    score: float = Field(description="detection score")
+    landmarks: list[Point]
+    decision: Literal["match", "unknown"]
+    identity: Candidate | None = Field(description="the match, or null when unknown")
+    candidates: list[Candidate]
+
+
+class IdentifyResponse(BaseModel):
+    width: int
+    height: int
+    threshold: float
+    faces: list[IdentifiedFace]
+
+
+class BatchItem(BaseModel):
+    index: int
+    result: IdentifyResponse | None = None
+    error: dict[str, Any] | None = Field(None, description="{code, message, details} when this image failed")
+
+
+class BatchIdentifyResponse(BaseModel):
+    results: list[BatchItem]
+
+
+class VerifyResponse(BaseModel):
+    score: float = Field(description="cosine similarity")
+    confidence: float
+    threshold: float
+    same: bool
+    face_a: DetectedFace | None = None
+    face_b: DetectedFace | None = None
+
+
+class Liveness(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    ready: bool
+    checks: dict[str, bool]
