@@ -7,9 +7,8 @@ PY := $(VENV)/bin/python
 # PyTorch is only needed to export PyTorch checkpoints (and their tests). This pin is the CPU wheel that
 # lies on the project's machines; elsewhere pick one from https://pytorch.org (any 2.4 <= v < 2.15).
 TORCH ?= torch==2.13.0
-HTTP_PORT ?= 8000
-GRPC_PORT ?= 8001
-METRICS_PORT ?= 8002
+PORT ?= 8080
+TRITON_PORTS ?= 8000 8001 8002
 
 .PHONY: run test setup models photos lint clean
 
@@ -34,7 +33,7 @@ photos: setup
 	$(PY) -m export photos
 
 run: models
-	$(PY) -m service.launcher --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(PY) -m service --port $(PORT) --triton-ports $(TRITON_PORTS)
 
 test: $(VENV)/.test models photos
 	$(PY) -m pytest

@@ -2,7 +2,7 @@
 
 The wheel carries a complete tritonserver 2.51 with the Python backend only. This module prepares
 what the binary needs (the Python-backend stub for this interpreter, the virtualenv first on PATH so
-the stub finds numpy, libpython on LD_LIBRARY_PATH), binds to 127.0.0.1 and uses a per-run
+the stub finds numpy, libpython on LD_LIBRARY_PATH), binds to 127.0.0.1 (``--host`` to change) and uses a per-run
 shared-memory prefix so that stopping it removes exactly its own ``/dev/shm`` files.
 
     python -m service.launcher --model-repository model_repository/cpu
@@ -86,6 +86,8 @@ class TritonServer:
     explicit: bool = False  # --model-control-mode=explicit, loading ``models``
     log_file: Path | None = None
     extra_args: tuple[str, ...] = ()
+    #: Address the endpoints bind to; 127.0.0.1 unless serving other hosts (containers: 0.0.0.0).
+    host: str = "127.0.0.1"
     shm_prefix: str = field(default_factory=lambda: f"facerec_{uuid.uuid4().hex[:8]}_")
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
@@ -103,7 +105,7 @@ class TritonServer:
             str(server_dir / "bin" / "tritonserver"),
             f"--model-repository={self.model_repository.resolve()}",
             f"--backend-directory={server_dir / 'backends'}",
-            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+            f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
             f"--http-port={self.ports.http}", f"--grpc-port={self.ports.grpc}",
             f"--metrics-port={self.ports.metrics}",
             "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
@@ -125,7 +127,7 @@ class TritonServer:
         if self.log_file:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
         output = self.log_file.open("ab") if self.log_file else None
-        log.info("starting tritonserver on 127.0.0.1 (http %d, grpc %d, metrics %d)",
+        log.info("starting tritonserver on %s (http %d, grpc %d, metrics %d)", self.host,
                  self.ports.http, self.ports.grpc, self.ports.metrics)
         self._process = subprocess.Popen(
             self.command(), env=server_environment(), stdout=output,
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.launcher", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-repository", type=Path, default=root / "model_repository" / "cpu")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 inside a container)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
