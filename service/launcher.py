@@ -56,7 +56,7 @@ def bundled_server_dir() -> Path:
     return Path(pytriton.__file__).resolve().parent / "tritonserver"
 
 
-def _install_stub(server_dir: Path) -> None:
+def install_stub(server_dir: Path) -> None:
     """Copy the Python-backend stub for this interpreter next to libtriton_python.so (as PyTriton does)."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     target = server_dir / "backends" / "python" / "triton_python_backend_stub"
@@ -123,7 +123,7 @@ class TritonServer:
             raise TritonStartError(
                 f"no model repository at {self.model_repository}: run `python -m export defaults`"
             )
-        _install_stub(bundled_server_dir())
+        install_stub(bundled_server_dir())
         if self.log_file:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
         output = self.log_file.open("ab") if self.log_file else None
