@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 #: Arbitrary constant naming the advisory lock that serializes change-log writers on PostgreSQL.
 CHANGE_LOG_LOCK = 0x6661636572
+#: Another one serializing migrations.
+MIGRATION_LOCK = 0x6661636573
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -51,10 +53,14 @@ def create_db_engine(url: str, **kwargs: Any) -> Engine:
 
 
 def migrate(engine: Engine, revision: str = "head") -> None:
-    """Apply Alembic migrations up to ``revision`` (idempotent)."""
+    """Apply Alembic migrations up to ``revision`` (idempotent). Processes starting together (service
+    replicas) take turns: SQLite ``BEGIN IMMEDIATE``, PostgreSQL an advisory lock; the later ones find
+    the schema current."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as connection:
+    with engine.execution_options(write=True).begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
 

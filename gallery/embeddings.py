@@ -15,6 +15,12 @@ def validate_embeddings(vectors: Sequence[ArrayLike] | ArrayLike, dimension: int
     try:
         matrix = np.asarray(vectors, dtype=np.float32)
     except (TypeError, ValueError) as exc:
+        # A ragged batch (one vector of another length) fails here: name the offending row.
+        for row, vector in enumerate(vectors if isinstance(vectors, Sequence) else ()):
+            shape = list(np.shape(vector))
+            if shape != [dimension]:
+                raise InvalidEmbedding(f"embedding {row} must have dimension {dimension}, got shape {shape}",
+                                       expected=dimension, row=row, shape=shape) from exc
         raise InvalidEmbedding(f"embeddings are not numeric vectors: {exc}") from exc
     if matrix.ndim == 1:
         matrix = matrix[None, :]

@@ -1,0 +1,352 @@
+"""The index stays equal to the database: erasure, model changes, restarts, SIGKILL crashes, replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import pytest
+from sqlalchemy import Engine, inspect
+
+from gallery.db import Database, create_db_engine, migrate
+from gallery.errors import ModelMismatch, NotFound
+from gallery.gallery import Gallery
+from gallery.store import GalleryStore
+from tests import gallery_crash_worker as worker
+from tests.gallery_helpers import (
+    MODEL,
+    OTHER_MODEL,
+    assert_gallery_matches_db,
+    db_faces,
+    new_faces,
+    sql_scalar,
+    unit_vectors,
+)
+
+pytest_plugins = ["tests.gallery_fixtures"]
+
+ROOT = Path(__file__).resolve().parent.parent
+DIM = 16
+
+
+def enroll(store: GalleryStore, rng: np.random.Generator, collection: str, external_id: str, count: int,
+           model: str = MODEL) -> list[int]:
+    faces = new_faces(unit_vectors(rng, count, DIM), tag=external_id)
+    _, stored = store.add_faces(collection, external_id, faces, model, create=(external_id.title(), {}))
+    return [f.id for f in stored]
+
+
+# --- erasure ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tombstones", [False, True], ids=["remove_ids", "tombstones"])
+def test_erasure_removes_vectors_rows_and_crops(store: GalleryStore, engine: Engine,
+                                                tombstones: bool) -> None:
+    rng = np.random.default_rng(21)
+    store.create_collection("e", MODEL, DIM, 0.5)
+    erased = enroll(store, rng, "e", "erased", 5)
+    for number in range(15):
+        enroll(store, rng, "e", f"p{number}", int(rng.integers(1, 4)))
+    gallery = Gallery(store, force_tombstones=tombstones)
+    gallery.load()
+    replica = Gallery(store, force_tombstones=tombstones)  # learns about the erasure from the log only
+    replica.load()
+    identity_id = store.get_identity("e", "erased").id
+    own_vectors = np.stack([v for _, v in sorted(store.vectors(erased, DIM).items())])
+    assert gallery.search("e", own_vectors, k=1)[0].candidates[0].identity_id == identity_id
+
+    assert sorted(store.delete_identity("e", "erased")) == sorted(erased)
+    gallery.sync()
+    replica.sync()
+    everyone = 16
+    for g in (gallery, replica):
+        assert not g.face_ids("e") & set(erased)
+        for result in g.search("e", own_vectors, k=everyone):
+            assert identity_id not in {c.identity_id for c in result.candidates}
+            assert not {c.face_id for c in result.candidates} & set(erased)
+            assert len(result.candidates) == everyone - 1
+        assert_gallery_matches_db(g, engine, "e", DIM)
+    assert sql_scalar(engine, "SELECT count(*) FROM identities WHERE id = :i", i=identity_id) == 0
+    assert sql_scalar(engine, "SELECT count(*) FROM identities WHERE external_id = 'erased'") == 0
+    for table_filter in ("identity_id = :i", "identity_id = :i AND crop IS NOT NULL"):
+        assert sql_scalar(engine, f"SELECT count(*) FROM faces WHERE {table_filter}", i=identity_id) == 0
+    placeholders = ", ".join(str(int(f)) for f in erased)
+    assert sql_scalar(engine, f"SELECT count(*) FROM faces WHERE id IN ({placeholders})") == 0
+    with pytest.raises(NotFound):
+        store.get_identity("e", "erased")
+
+
+# --- model changes ------------------------------------------------------------------------------
+
+
+def test_other_embedding_model_is_refused(store: GalleryStore, engine: Engine) -> None:
+    rng = np.random.default_rng(22)
+    store.create_collection("m", MODEL, DIM, 0.5)
+    enroll(store, rng, "m", "a", 2)
+    gallery = Gallery(store)
+    gallery.load()
+    before = sql_scalar(engine, "SELECT count(*) FROM faces")
+    with pytest.raises(ModelMismatch) as error:
+        enroll(store, rng, "m", "b", 2, model=OTHER_MODEL)
+    assert error.value.details == {"expected": MODEL, "got": OTHER_MODEL}
+    with pytest.raises(ModelMismatch):
+        enroll(store, rng, "m", "a", 1, model=OTHER_MODEL)  # an existing identity too
+    assert sql_scalar(engine, "SELECT count(*) FROM faces") == before
+    query = unit_vectors(rng, 1, DIM)
+    with pytest.raises(ModelMismatch) as error:
+        gallery.search("m", query, embedding_model=OTHER_MODEL)
+    assert error.value.code == "embedding_model_mismatch"
+    with pytest.raises(ModelMismatch):
+        gallery.require_model("m", OTHER_MODEL)
+    assert gallery.require_model("m", MODEL).embedding_model == MODEL
+    assert gallery.search("m", query, embedding_model=MODEL)[0].candidates
+
+
+# --- restarts -----------------------------------------------------------------------------------
+
+
+def test_load_from_snapshot_plus_newer_changes(store: GalleryStore, engine: Engine, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(23)
+    for name in ("a", "b", "dropped"):
+        store.create_collection(name, MODEL, DIM, 0.5)
+        for number in range(8):
+            enroll(store, rng, name, f"p{number}", int(rng.integers(1, 4)))
+    gallery = Gallery(store, tmp_path)
+    gallery.load()
+    assert len(gallery.snapshot()) == 3
+    snapshot_seq = gallery.applied_seq
+
+    # newer changes: adds, deletes of snapshotted faces, erasures, a new and a dropped collection
+    enroll(store, rng, "a", "new", 3)
+    enroll(store, rng, "a", "p1", 2)
+    store.delete_face("a", store.list_faces("a", "p2")[0].id)
+    store.delete_identity("a", "p3")
+    store.delete_identity("b", "p0")
+    store.create_collection("late", MODEL, DIM, 0.5)
+    enroll(store, rng, "late", "x", 2)
+    store.delete_collection("dropped")
+    assert store.last_seq() > snapshot_seq
+
+    built: list[str] = []
+    original = Gallery._build
+
+    def spy(self: Gallery, info: Any) -> Any:
+        built.append(info.name)
+        return original(self, info)
+
+    monkeypatch.setattr(Gallery, "_build", spy)
+    restarted = Gallery(store, tmp_path)
+    restarted.load()
+    assert built == ["late"]  # a and b came from their snapshots, replayed forward
+    assert restarted.applied_seq == store.last_seq()
+    for name in ("a", "b", "late"):
+        assert_gallery_matches_db(restarted, engine, name, DIM)
+    with pytest.raises(NotFound):
+        restarted.face_ids("dropped")
+
+
+def test_rebuild_equals_database(store: GalleryStore, engine: Engine) -> None:
+    rng = np.random.default_rng(24)
+    for name in ("a", "b"):
+        store.create_collection(name, MODEL, DIM, 0.5)
+        for number in range(6):
+            enroll(store, rng, name, f"p{number}", 2)
+    loaded = Gallery(store)
+    loaded.load()
+    # the database changes behind the gallery's back (no sync)
+    enroll(store, rng, "a", "late", 2)
+    store.delete_identity("a", "p0")
+    store.delete_face("b", store.list_faces("b", "p1")[0].id)
+    loaded.rebuild()
+    for name in ("a", "b"):
+        assert_gallery_matches_db(loaded, engine, name, DIM)
+    assert loaded.applied_seq == store.last_seq()
+
+    # a gallery that was never load()ed builds collections lazily; rebuilding one of them must not
+    # skip the pending changes of the others
+    lazy = Gallery(store)
+    assert lazy.face_ids("b")
+    enroll(store, rng, "b", "pending", 2)  # committed, not yet applied by ``lazy``
+    enroll(store, rng, "a", "pending", 1)
+    lazy.rebuild("a")
+    for name in ("a", "b"):
+        assert_gallery_matches_db(lazy, engine, name, DIM)
+
+
+# --- crash safety -------------------------------------------------------------------------------
+
+
+class Lines:
+    """Lines of a child's stdout, read by a thread so that waits can time out."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._queue: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:
+            for line in stream:
+                self._queue.put(line.rstrip("\n"))
+            self._queue.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def wait_for(self, predicate: Callable[[str], bool], timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
+            if line is None:
+                raise AssertionError(f"the child exited while waiting for {what}")
+            if predicate(line):
+                return line
+
+
+def python_module(module: str, *args: str, stdin: int | None = None, stderr: IO[bytes],
+                  env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdin=stdin,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def kill_worker(db_url: str, snapshots: Path, seed: int, stage: str, delay: float, log: Path,
+                pause: str = "") -> None:
+    """Start the worker, wait for ``stage``, let it run ``delay`` seconds more, SIGKILL it."""
+    with log.open("wb") as stderr:
+        process = python_module("tests.gallery_crash_worker", db_url, str(snapshots), str(seed),
+                                stderr=stderr, env={"GALLERY_CRASH_PAUSE": pause})
+        try:
+            assert process.stdout is not None
+            Lines(process.stdout).wait_for(lambda line: line == stage, 60, f"stage {stage!r}")
+            time.sleep(delay)
+            assert process.poll() is None, f"the worker died on its own:\n{log.read_text()}"
+            os.kill(process.pid, signal.SIGKILL)
+            assert process.wait(10) == -signal.SIGKILL
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_sigkill_at_any_moment_converges(db_url: str, tmp_path: Path,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A writer SIGKILLed at any moment (mid-migration, mid-snapshot, mid-anything) leaves a database and
+    snapshot directory from which a restarted gallery equals the database."""
+    rng = np.random.default_rng(25)
+    snapshots = tmp_path / "snapshots"
+    engine = create_db_engine(db_url)
+    # inside the migration transaction, right after start (migrations, first load, first snapshot),
+    # then after 0.3-2.0 s of random work, with two kills inside snapshot writes among them
+    schedule = [("paused-in-ddl", 0.0, "ddl"), ("migrating", rng.uniform(0, 0.15), ""),
+                ("snapshotting", rng.uniform(0, 0.003), "")]
+    schedule += [("started", rng.uniform(0.3, 2.0), "") for _ in range(8)]
+    schedule.insert(7, ("paused-in-fsync", 0.0, f"fsync:{2 * rng.integers(4, 12)}"))  # torn snapshot
+    schedule.insert(9, ("paused-in-fsync", 0.0, f"fsync:{2 * rng.integers(4, 12) + 1}"))  # .partial only
+    replayed = 0
+    try:
+        for seed, (stage, delay, pause) in enumerate(schedule):
+            kill_worker(db_url, snapshots, seed, stage, delay, tmp_path / f"worker-{seed}.log", pause)
+            if pause == "ddl":  # the half-done migration left nothing behind
+                assert inspect(engine).get_table_names() == []
+
+            migrate(engine)  # what a restarted service does first
+            store = GalleryStore(Database(engine))
+            collections = store.list_collections()
+            assert [c.name for c in collections] in ([], [worker.COLLECTION]), collections
+            snapshot_seq: int | None = None
+            if collections:
+                with contextlib.suppress(OSError, ValueError, KeyError):  # torn or missing: load ignores it
+                    meta = snapshots / f"collection-{collections[0].id}.json"
+                    snapshot_seq = int(json.loads(meta.read_text())["seq"])
+            caplog.clear()
+            gallery = Gallery(store, snapshots)
+            with caplog.at_level(logging.WARNING, logger="gallery.gallery"):
+                gallery.load()
+            if collections:
+                assert_gallery_matches_db(gallery, engine, worker.COLLECTION, worker.DIMENSION)
+                ignored = any("ignoring snapshot" in r.getMessage() for r in caplog.records)
+                replayed += snapshot_seq is not None and not ignored and snapshot_seq < store.last_seq()
+        faces = sql_scalar(engine, "SELECT count(*) FROM faces")
+        changes = sql_scalar(engine, "SELECT count(*) FROM face_changes")
+        assert faces >= 20 and changes >= 100, (faces, changes)  # the workers really worked
+        assert replayed >= 2  # restarts loaded a snapshot and replayed newer changes on top of it
+    finally:
+        engine.dispose()
+
+
+# --- replicas -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def follower(db_url: str, store: GalleryStore, tmp_path: Path) -> Iterator[tuple[Lines, GalleryStore]]:
+    """A Gallery in another process following the same database (collection ``r``, some faces)."""
+    rng = np.random.default_rng(26)
+    store.create_collection("r", MODEL, DIM, 0.5)
+    for number in range(3):
+        enroll(store, rng, "r", f"seed{number}", 2)
+    log = tmp_path / "follower.log"
+    with log.open("wb") as stderr:
+        process = python_module("tests.gallery_follower", db_url, "r", stdin=subprocess.PIPE, stderr=stderr)
+        try:
+            assert process.stdout is not None
+            lines = Lines(process.stdout)
+            lines.wait_for(lambda line: line == "ready", 60, "the follower to start")
+            yield lines, store
+        finally:
+            if process.stdin is not None:
+                process.stdin.close()  # the follower exits at the end of its input
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def test_replica_sees_each_change_within_a_second(follower: tuple[Lines, GalleryStore],
+                                                  engine: Engine) -> None:
+    lines, store = follower
+    rng = np.random.default_rng(27)
+    writer = Gallery(store)  # the writer's own gallery, in this process
+    writer.load()
+
+    def seen(expected: dict[int, int]) -> Callable[[str], bool]:
+        def check(line: str) -> bool:
+            return {int(k): v for k, v in json.loads(line)["faces"].items()} == expected
+        return check
+
+    lines.wait_for(seen(db_faces(engine, "r")), 10, "the initial state")
+    steps: list[Callable[[], object]] = [
+        lambda: enroll(store, rng, "r", "alice", 2),
+        lambda: store.add_faces("r", "alice", new_faces(unit_vectors(rng, 1, DIM), tag="a2"), MODEL),
+        lambda: enroll(store, rng, "r", "bob", 3),
+        lambda: store.delete_face("r", store.list_faces("r", "bob")[0].id),
+        lambda: store.delete_identity("r", "alice"),
+        lambda: store.delete_identity("r", "seed1"),
+        lambda: enroll(store, rng, "r", "carol", 4),
+        lambda: store.delete_face("r", store.list_faces("r", "seed0")[1].id),
+    ]
+    latencies = []
+    for number, step in enumerate(steps):
+        step()  # committed when it returns
+        started = time.monotonic()
+        expected = db_faces(engine, "r")
+        # the replica's index holds exactly these faces, and searching each face's own vector ranks its
+        # identity first
+        lines.wait_for(seen(expected), 5, f"step {number} to reach the replica")
+        latencies.append(time.monotonic() - started)
+        writer.sync()
+        assert writer.face_ids("r") == set(expected)
+    assert max(latencies) < 1.0, latencies

@@ -1,0 +1,485 @@
+"""FaceIndex and Gallery search: a brute-force numpy oracle, thresholds, tombstones, IVF and snapshots."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+from sqlalchemy import Engine
+
+import gallery.index as index_module
+from gallery.errors import InvalidEmbedding
+from gallery.gallery import Gallery, SearchResult
+from gallery.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
+from gallery.store import GalleryStore
+from tests.gallery_helpers import MODEL, assert_gallery_matches_db, new_faces, unit_vectors
+
+pytest_plugins = ["tests.gallery_fixtures"]
+
+DIM = 16
+#: float32 inner products (FAISS) against the float64 oracle; scores closer than this count as tied.
+EPS = 1e-5
+
+
+# --- the oracle ---------------------------------------------------------------------------------
+
+
+class Enrolled:
+    """What a collection holds, as the test enrolled it: face id -> (identity id, vector)."""
+
+    def __init__(self) -> None:
+        self.identity_of: dict[int, int] = {}
+        self.vector_of: dict[int, NDArray[np.float64]] = {}
+
+    def add(self, store: GalleryStore, collection: str, external_id: str,
+            vectors: NDArray[np.float32]) -> int:
+        identity, faces = store.add_faces(collection, external_id, new_faces(vectors, tag=external_id), MODEL,
+                                          create=(external_id.upper(), {}))
+        for face, vector in zip(faces, vectors, strict=True):
+            self.identity_of[face.id] = identity.id
+            v = np.asarray(vector, np.float64)
+            self.vector_of[face.id] = v / np.linalg.norm(v)
+        return identity.id
+
+    def forget(self, face_ids: list[int]) -> None:
+        for face_id in face_ids:
+            del self.identity_of[face_id], self.vector_of[face_id]
+
+    def best(self, query: NDArray[np.float32]) -> dict[int, tuple[float, set[int]]]:
+        """Per identity: max cosine over its faces, and the faces reaching it."""
+        q = np.asarray(query, np.float64)
+        q = q / np.linalg.norm(q)
+        best: dict[int, tuple[float, set[int]]] = {}
+        for face_id, vector in self.vector_of.items():
+            score = float(vector @ q)
+            identity = self.identity_of[face_id]
+            current = best.get(identity)
+            if current is None or score > current[0] + EPS:
+                best[identity] = (score, {face_id})
+            elif abs(score - current[0]) <= EPS:
+                best[identity] = (max(score, current[0]), current[1] | {face_id})
+        return best
+
+
+def assert_matches_oracle(result: SearchResult, oracle: dict[int, tuple[float, set[int]]], k: int) -> None:
+    """Same top-k identities as the brute force, tie-aware: the score list matches rank by rank, each
+    returned identity has its true best score (so within a tied group any member may be returned, and
+    a group that fits entirely in the top k is returned entirely), with one of its best faces."""
+    candidates = result.candidates
+    expected = sorted((score for score, _ in oracle.values()), reverse=True)[:k]
+    assert len(candidates) == len(expected) == min(k, len(oracle))
+    np.testing.assert_allclose([c.score for c in candidates], expected, rtol=0, atol=EPS)
+    assert len({c.identity_id for c in candidates}) == len(candidates)
+    for rank, candidate in enumerate(candidates):
+        true_score, best_faces = oracle[candidate.identity_id]
+        assert abs(candidate.score - true_score) <= EPS, (rank, candidate, true_score)
+        assert candidate.face_id in best_faces, (rank, candidate, best_faces)
+        tied = {i for i, (s, _) in oracle.items() if abs(s - expected[rank]) <= EPS}
+        assert candidate.identity_id in tied
+    for left, right in itertools.pairwise(candidates):
+        assert left.score >= right.score
+        if left.score == right.score:  # exact ties: documented order is by identity id
+            assert left.identity_id < right.identity_id
+    # every identity left out scores no better than the last one returned
+    if candidates:
+        returned = {c.identity_id for c in candidates}
+        assert all(s <= candidates[-1].score + EPS for i, (s, _) in oracle.items() if i not in returned)
+
+
+def random_gallery(store: GalleryStore, rng: np.random.Generator, name: str, dimension: int = DIM
+                   ) -> Enrolled:
+    """1..25 identities with 1..5 faces each; some faces are exact copies of other identities' faces
+    and some identities are clones of others (deliberate ties)."""
+    store.create_collection(name, MODEL, dimension, 0.5)
+    enrolled = Enrolled()
+    count = int(rng.integers(1, 26))
+    for number in range(count):
+        vectors = unit_vectors(rng, int(rng.integers(1, 6)), dimension)
+        if enrolled.vector_of and rng.random() < 0.3:  # one face copied from another identity
+            donor = list(enrolled.vector_of.values())[int(rng.integers(len(enrolled.vector_of)))]
+            vectors[int(rng.integers(len(vectors)))] = donor.astype(np.float32)
+        if enrolled.vector_of and rng.random() < 0.15:  # a clone: exactly another identity's faces
+            donor_identity = list(enrolled.identity_of.values())[int(rng.integers(len(enrolled.identity_of)))]
+            vectors = np.stack([v for f, v in enrolled.vector_of.items()
+                                if enrolled.identity_of[f] == donor_identity]).astype(np.float32)
+        enrolled.add(store, name, f"p{number}", vectors)
+    return enrolled
+
+
+def queries_for(enrolled: Enrolled, rng: np.random.Generator, dimension: int = DIM) -> NDArray[np.float32]:
+    """Random directions, stored faces themselves (ties at 1.0 for copies) and noisy stored faces."""
+    stored = np.stack(list(enrolled.vector_of.values())).astype(np.float32)
+    picked = stored[rng.choice(len(stored), size=min(6, len(stored)), replace=False)]
+    noisy = picked + 0.3 * rng.standard_normal(picked.shape).astype(np.float32)
+    queries: NDArray[np.float32] = np.concatenate([unit_vectors(rng, 6, dimension), picked, noisy])
+    return queries
+
+
+# --- FaceIndex ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tombstones", [False, True], ids=["remove_ids", "tombstones"])
+def test_face_index_add_remove_search(tombstones: bool) -> None:
+    rng = np.random.default_rng(7)
+    vectors = unit_vectors(rng, 6, DIM)
+    index = FaceIndex(DIM, force_tombstones=tombstones)
+    empty_scores, empty_ids = index.search(vectors[:2], 3)
+    assert empty_scores.shape == empty_ids.shape == (2, 0)
+
+    assert index.add(np.array([1, 2, 3]), vectors[:3]) == 3
+    assert index.add(np.array([2, 3, 4]), vectors[1:4]) == 1  # idempotent: only 4 is new
+    assert len(index) == 4 and index.ids == {1, 2, 3, 4} and 4 in index
+    scores, ids = index.search(vectors[:4], 10)  # k larger than the index: clipped
+    assert ids.shape == (4, 4)
+    assert ids[:, 0].tolist() == [1, 2, 3, 4]
+    np.testing.assert_allclose(scores[:, 0], 1.0, atol=1e-6)
+
+    assert index.remove(np.array([2, 99])) == 1
+    assert index.remove(np.array([2])) == 0
+    assert index.ids == {1, 3, 4} and 2 not in index
+    scores, ids = index.search(vectors[:4], 10)
+    assert ids.shape == (4, 3) and 2 not in ids
+    assert set(ids[1].tolist()) == {1, 3, 4}  # the removed vector's own query finds the others
+    assert np.all(np.diff(scores, axis=1) <= 0)
+    brute = vectors[[0, 2, 3]] @ vectors[1]
+    np.testing.assert_allclose(np.sort(scores[1])[::-1], np.sort(brute)[::-1], atol=1e-6)
+    assert index.needs_compaction is tombstones  # 1 tombstone > 10% of 3 live vectors
+
+    with pytest.raises(ValueError, match="dimension"):
+        index.add(np.array([10]), unit_vectors(rng, 1, DIM + 1))
+
+
+def test_face_index_tombstone_search_skips_dead_neighbours() -> None:
+    """With many tombstones among the nearest neighbours the top k still holds k live ids."""
+    rng = np.random.default_rng(8)
+    base = unit_vectors(rng, 1, DIM)[0]
+    near = base + 0.05 * unit_vectors(rng, 30, DIM)
+    near = (near / np.linalg.norm(near, axis=1, keepdims=True)).astype(np.float32)
+    far = unit_vectors(rng, 30, DIM)
+    ids = np.arange(60)
+    index = FaceIndex(DIM, force_tombstones=True)
+    index.add(ids, np.concatenate([near, far]))
+    index.remove(ids[:28])  # the 28 nearest are dead
+    scores, found = index.search(base[None], 5)
+    assert np.isfinite(scores).all() and (found >= 28).all() and found.shape == (1, 5)
+    exact = FaceIndex(DIM)
+    exact.add(ids[28:], np.concatenate([near, far])[28:])
+    np.testing.assert_array_equal(exact.search(base[None], 5)[1], found)
+
+
+# --- Gallery.search against the oracle ----------------------------------------------------------
+
+
+def test_gallery_search_equals_brute_force(store: GalleryStore) -> None:
+    rng = np.random.default_rng(20261130)
+    gallery = Gallery(store)
+    checked = ties_checked = 0
+    for number in range(30):
+        name = f"g{number}"
+        enrolled = random_gallery(store, rng, name)
+        identities = len(set(enrolled.identity_of.values()))
+        queries = queries_for(enrolled, rng)
+        for k in sorted({*rng.integers(1, 11, size=3).tolist(), identities, identities + 3}):
+            results = gallery.search(name, queries, k=k)
+            assert len(results) == len(queries)
+            for query, result in zip(queries, results, strict=True):
+                oracle = enrolled.best(query)
+                assert_matches_oracle(result, oracle, k)
+                scores = sorted((s for s, _ in oracle.values()), reverse=True)[:k]
+                ties_checked += any(abs(a - b) <= EPS for a, b in itertools.pairwise(scores))
+                checked += 1
+    assert checked > 1000
+    assert ties_checked > 50  # the deliberate ties really were exercised
+
+
+def test_threshold_decides_unknown(store: GalleryStore) -> None:
+    rng = np.random.default_rng(3)
+    store.create_collection("t", MODEL, DIM, 0.8)
+    enrolled = Enrolled()
+    for number in range(10):
+        enrolled.add(store, "t", f"p{number}", unit_vectors(rng, 3, DIM))
+    gallery = Gallery(store)
+    face_id, vector = next(iter(enrolled.vector_of.items()))
+    own = vector.astype(np.float32)
+    stranger = unit_vectors(rng, 1, DIM)[0]
+
+    known, unknown = gallery.search("t", np.stack([own, stranger]), k=3)  # the collection's 0.8
+    assert known.threshold == unknown.threshold == 0.8
+    assert known.match is not None and known.match.identity_id == enrolled.identity_of[face_id]
+    assert known.match.face_id == face_id and known.match.external_id == "p0" and known.match.name == "P0"
+    assert unknown.candidates and unknown.candidates[0].score < 0.8
+    assert unknown.match is None  # below the threshold: unknown, candidates still listed
+    assert len(unknown.candidates) == 3
+
+    best = unknown.candidates[0].score
+    at = gallery.search("t", stranger, k=3, threshold=best)[0]
+    assert at.match == at.candidates[0]  # a score equal to the threshold matches
+    above = gallery.search("t", stranger, k=3, threshold=np.nextafter(np.float32(best), np.float32(2)))[0]
+    assert above.match is None and above.candidates == at.candidates
+    assert gallery.search("t", own, k=1, threshold=1.01)[0].match is None
+    assert gallery.search("t", stranger, k=1, threshold=-1.0)[0].match is not None
+
+    with pytest.raises(ValueError):
+        gallery.search("t", own, k=0)
+    with pytest.raises(InvalidEmbedding):
+        gallery.search("t", np.ones(DIM + 1, np.float32))
+    with pytest.raises(InvalidEmbedding):
+        gallery.search("t", np.zeros(DIM, np.float32))
+
+
+# --- tombstones (the GPU code path) -------------------------------------------------------------
+
+
+def test_tombstones_equal_remove_ids_and_compact(store: GalleryStore, engine: Engine) -> None:
+    rng = np.random.default_rng(11)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    enrolled = Enrolled()
+    for number in range(40):
+        enrolled.add(store, "c", f"p{number}", unit_vectors(rng, int(rng.integers(1, 6)), DIM))
+    plain = Gallery(store)
+    tomb = Gallery(store, force_tombstones=True)
+    plain.load()
+    tomb.load()
+    assert not plain._entry("c").index._tombstoning and tomb._entry("c").index._tombstoning
+
+    saw_tombstones = compactions = 0
+    next_identity = 40
+    for _round in range(12):
+        face_ids = sorted(enrolled.identity_of)
+        for face_id in rng.choice(face_ids, size=3, replace=False).tolist():
+            store.delete_face("c", face_id)
+            enrolled.forget([face_id])
+        if rng.random() < 0.4:  # erase a whole identity
+            victim = int(rng.choice(sorted(set(enrolled.identity_of.values()))))
+            everyone = store.list_identities("c", limit=1000)[0]
+            external = next(i.external_id for i in everyone if i.id == victim)
+            enrolled.forget(store.delete_identity("c", external))
+        if rng.random() < 0.5:
+            enrolled.add(store, "c", f"p{next_identity}", unit_vectors(rng, 2, DIM))
+            next_identity += 1
+        before = tomb._entry("c").index
+        plain.sync()
+        tomb.sync()
+        after = tomb._entry("c").index
+        compactions += after is not before
+        saw_tombstones += bool(after._tombstones)
+        assert len(after._tombstones) <= after.config.compact_fraction * max(len(after), 1)
+
+        assert plain.face_ids("c") == tomb.face_ids("c") == set(enrolled.identity_of)
+        queries = np.concatenate([unit_vectors(rng, 10, DIM),
+                                  np.stack(list(enrolled.vector_of.values())[:10]).astype(np.float32)])
+        for k in (1, 5, 50):
+            for a, b, query in zip(plain.search("c", queries, k=k), tomb.search("c", queries, k=k), queries,
+                                   strict=True):
+                assert [c.score for c in a.candidates] == [c.score for c in b.candidates]
+                assert_matches_oracle(a, enrolled.best(query), k)
+                assert_matches_oracle(b, enrolled.best(query), k)
+    assert saw_tombstones >= 3  # searches ran with live tombstones
+    assert compactions >= 2  # and the index was rebuilt when they piled up
+    assert_gallery_matches_db(tomb, engine, "c", DIM)
+
+
+# --- IVF ----------------------------------------------------------------------------------------
+
+
+def clustered(rng: np.random.Generator, identities: int, per_identity: int, dimension: int,
+              noise: float = 0.3) -> NDArray[np.float32]:
+    """Faces around identity centres, L2-normalized (rows grouped by identity)."""
+    centres = unit_vectors(rng, identities, dimension).repeat(per_identity, axis=0)
+    faces = centres + noise * rng.standard_normal(centres.shape) / np.sqrt(dimension)
+    normalized: NDArray[np.float32] = (faces / np.linalg.norm(faces, axis=1, keepdims=True)).astype("f4")
+    return normalized
+
+
+def measured_recall(index: FaceIndex, ids: NDArray[np.int64], vectors: NDArray[np.float32],
+                    seed: int) -> float:
+    probes = genuine_probes(vectors, 300, seed=seed)
+    truth = ids[np.argsort(-(probes @ vectors.T), axis=1)[:, :10]]
+    return recall_at_k(index.search(probes, 10)[1], truth)
+
+
+def test_ivf_chosen_when_recall_reaches_target(caplog: pytest.LogCaptureFixture) -> None:
+    rng = np.random.default_rng(5)
+    vectors = clustered(rng, 60, 50, 32)
+    ids = np.arange(1000, 1000 + len(vectors), dtype=np.int64)
+    with caplog.at_level(logging.INFO, logger="gallery.index"):
+        index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000))
+    assert index.kind is IndexKind.IVF and index.nprobe >= 1
+    assert index.recall is not None and index.recall >= 0.99
+    assert len(index) == len(ids) and index.ids == set(ids.tolist())
+    logged = [r.getMessage() for r in caplog.records if "recall@10" in r.getMessage()]
+    assert len(logged) == 1 and f"{index.recall:.4f}" in logged[0] and f"nprobe {index.nprobe}" in logged[0]
+    # an independent measurement (other probes) agrees
+    assert measured_recall(index, ids, vectors, seed=99) >= 0.98
+    # small indexes stay exact without measuring anything
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gallery.index"):
+        small = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=len(ids)))
+    assert small.kind is IndexKind.FLAT and small.recall is None and not caplog.records
+
+
+@pytest.mark.parametrize(("recall", "kind"), [(0.9899, IndexKind.FLAT), (0.99, IndexKind.IVF)])
+def test_ivf_only_at_target_recall(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                   recall: float, kind: IndexKind) -> None:
+    """The decision follows the measurement: the same clustered data with the measured recall pinned
+    just below / at the 0.99 target."""
+    rng = np.random.default_rng(5)
+    vectors = clustered(rng, 60, 50, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    monkeypatch.setattr(index_module, "recall_at_k", lambda approximate, exact: recall)
+    with caplog.at_level(logging.INFO, logger="gallery.index"):
+        index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000))
+    assert index.kind is kind and index.recall == recall
+    assert any(f"recall@10 {recall:.4f}" in r.getMessage() for r in caplog.records)
+    if kind is IndexKind.FLAT:
+        assert any(r.levelno == logging.WARNING and "staying exact" in r.getMessage() for r in caplog.records)
+    assert len(index) == len(ids)
+    _, found = index.search(vectors[:5], 1)
+    assert found[:, 0].tolist() == ids[:5].tolist()
+
+
+def test_ivf_refused_on_unclustered_data(caplog: pytest.LogCaptureFixture) -> None:
+    """Uniform random vectors: IVF cannot reach the recall cheaply, so the index stays exact."""
+    rng = np.random.default_rng(6)
+    vectors = unit_vectors(rng, 3000, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    with caplog.at_level(logging.INFO, logger="gallery.index"):
+        index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000))
+    assert index.kind is IndexKind.FLAT and index.recall is not None
+    assert any("recall@10" in r.getMessage() for r in caplog.records)
+    assert any("staying exact" in r.getMessage() for r in caplog.records)
+    assert measured_recall(index, ids, vectors, seed=1) == 1.0
+
+
+# --- snapshots ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "tombstones"])
+def test_face_index_snapshot_round_trip(tmp_path: Path, kind: str) -> None:
+    rng = np.random.default_rng(9)
+    vectors = clustered(rng, 60, 50, 32)
+    ids = np.arange(5, 5 + len(vectors), dtype=np.int64)
+    config = IndexConfig(exact_max=1000 if kind == "ivf" else 10_000)
+    index = FaceIndex.build(32, ids, vectors, config, force_tombstones=kind == "tombstones")
+    assert index.kind is (IndexKind.IVF if kind == "ivf" else IndexKind.FLAT)
+    index.remove(ids[:40])
+    index.add(np.array([90_000]), unit_vectors(rng, 1, 32))
+    path = tmp_path / "c.faiss"
+    index.save(path, 42, {"embedding_model": MODEL})
+    assert not list(tmp_path.glob("*.partial"))
+    loaded, meta = FaceIndex.load(path, config, force_tombstones=kind == "tombstones")
+    assert meta["seq"] == 42 and meta["embedding_model"] == MODEL
+    assert (loaded.kind, loaded.nprobe, loaded.ids) == (index.kind, index.nprobe, index.ids)
+    queries = np.concatenate([genuine_probes(vectors, 50, seed=3), vectors[:50]])
+    for k in (1, 10):
+        expected, got = index.search(queries, k), loaded.search(queries, k)
+        np.testing.assert_array_equal(got[1], expected[1])
+        np.testing.assert_array_equal(got[0], expected[0])
+
+
+def enroll_clustered(store: GalleryStore, rng: np.random.Generator, name: str, identities: int,
+                     per_identity: int, dimension: int, start: int = 0) -> None:
+    vectors = clustered(rng, identities, per_identity, dimension)
+    for number in range(identities):
+        chunk = vectors[number * per_identity:(number + 1) * per_identity]
+        store.add_faces(name, f"p{start + number}", new_faces(chunk, tag=f"{name}{start + number}"), MODEL,
+                        create=(f"P{start + number}", {}))
+
+
+def same_results(a: list[SearchResult], b: list[SearchResult]) -> bool:
+    return [r.candidates for r in a] == [r.candidates for r in b]
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_gallery_snapshot_round_trip(store: GalleryStore, engine: Engine, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    rng = np.random.default_rng(12)
+    dimension = 32
+    store.create_collection("s", MODEL, dimension, 0.5)
+    enroll_clustered(store, rng, "s", 40, 12, dimension)
+    config = IndexConfig(exact_max=300 if kind == "ivf" else 10_000)
+    first = Gallery(store, tmp_path, config)
+    first.load()
+    assert first._entry("s").index.kind is IndexKind(kind)
+    stored = store.collection_vectors(store.get_collection("s").id, dimension)[2]
+    queries = np.concatenate([unit_vectors(rng, 20, dimension), genuine_probes(stored, 40, seed=4)])
+    before = first.search("s", queries, k=5)
+    assert [p.name for p in first.snapshot()] == [f"collection-{store.get_collection('s').id}.faiss"]
+
+    def no_rebuild(*args: object) -> None:
+        raise AssertionError("the snapshot should have been used")
+
+    second = Gallery(store, tmp_path, config)
+    with monkeypatch.context() as patch:
+        patch.setattr(Gallery, "_build", no_rebuild)
+        second.load()
+    assert second._entry("s").index.kind is IndexKind(kind)
+    assert second.applied_seq == first.applied_seq == store.last_seq()
+    assert same_results(second.search("s", queries, k=5), before)
+
+    # both keep following the log on the loaded index (IVF included)
+    enroll_clustered(store, rng, "s", 5, 4, dimension, start=100)
+    victims = [f.id for f in store.list_faces("s", "p3")]
+    store.delete_identity("s", "p3")
+    store.delete_face("s", store.list_faces("s", "p7")[0].id)
+    first.sync()
+    second.sync()
+    assert not (first.face_ids("s") & set(victims))
+    assert same_results(second.search("s", queries, k=5), first.search("s", queries, k=5))
+    assert_gallery_matches_db(second, engine, "s", dimension)
+
+
+CORRUPTIONS = ["missing-metadata", "garbage-metadata", "truncated-metadata", "empty-object", "no-seq", "list",
+               "wrong-count", "other-model", "garbage-index", "truncated-index"]
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_bad_snapshot_falls_back_to_rebuild(store: GalleryStore, engine: Engine, tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture, corruption: str) -> None:
+    rng = np.random.default_rng(13)
+    store.create_collection("s", MODEL, DIM, 0.5)
+    enrolled = Enrolled()
+    for number in range(12):
+        enrolled.add(store, "s", f"p{number}", unit_vectors(rng, 2, DIM))
+    first = Gallery(store, tmp_path)
+    first.load()
+    (path,) = first.snapshot()
+    meta_path = path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    # the database moves on after the snapshot
+    enrolled.forget(store.delete_identity("s", "p0"))
+    enrolled.add(store, "s", "p99", unit_vectors(rng, 3, DIM))
+
+    if corruption == "missing-metadata":
+        meta_path.unlink()
+    elif corruption == "garbage-metadata":
+        meta_path.write_bytes(b"\x00\xffnot json")
+    elif corruption == "truncated-metadata":
+        meta_path.write_text(json.dumps(meta)[:20])
+    elif corruption == "empty-object":
+        meta_path.write_text("{}")
+    elif corruption == "no-seq":
+        meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "seq"}))
+    elif corruption == "list":
+        meta_path.write_text("[1, 2, 3]")
+    elif corruption == "wrong-count":
+        meta_path.write_text(json.dumps({**meta, "ids": meta["ids"] + 1}))
+    elif corruption == "other-model":
+        meta_path.write_text(json.dumps({**meta, "embedding_model": "someone-else"}))
+    elif corruption == "garbage-index":
+        path.write_bytes(b"definitely not a faiss index" * 10)
+    elif corruption == "truncated-index":
+        path.write_bytes(path.read_bytes()[:100])
+
+    second = Gallery(store, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="gallery.gallery"):
+        second.load()
+    assert any("ignoring snapshot" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert second.loaded and second.applied_seq == store.last_seq()
+    assert_gallery_matches_db(second, engine, "s", DIM)
+    assert second.face_ids("s") == set(enrolled.identity_of)
