@@ -71,6 +71,7 @@ class Gallery:
         self._lock = threading.RLock()
         self._follower: threading.Thread | None = None
         self._stop = threading.Event()
+        self._erased: set[str] = set()  # collections with removals not yet in a snapshot
         self.loaded = False
 
     # --- loading, replay, snapshots -----------------------------------------------------------
@@ -103,6 +104,9 @@ class Gallery:
         try:
             index, meta = FaceIndex.load(path, self.config, self._force_tombstones)
             seq = int(meta["seq"])
+            if seq > self.store.last_seq():
+                raise ValueError(f"snapshot is at change {seq}, the database only at {self.store.last_seq()} "
+                                 "(restored from an older backup?)")
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:  # malformed metadata too
             log.warning("ignoring snapshot %s: %r", path, exc)
             return None
@@ -130,17 +134,40 @@ class Gallery:
             self._applied = min(self._applied, seq) if self.loaded or kept else seq
             self.sync()
 
-    def snapshot(self) -> list[Path]:
-        """Persist every index with the change-log position it includes."""
+    def snapshot(self, collection: str | None = None) -> list[Path]:
+        """Persist indexes (all, or one collection's) with the change-log position they include.
+
+        Erased vectors never reach the disk: a tombstoned index is rebuilt from the database first,
+        and snapshot files of deleted collections are removed.
+        """
+        if self.snapshot_dir is None:
+            return []
         written = []
         with self._lock:
-            for entry in self._collections.values():
-                path = self._snapshot_path(entry.info)
-                if path is not None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    entry.index.save(path, self._applied, {"embedding_model": entry.info.embedding_model})
-                    written.append(path)
+            self.sync()
+            for entry in list(self._collections.values()):
+                if collection is not None and entry.info.name != collection:
+                    continue
+                if entry.index.has_tombstones:
+                    entry = self._collections[entry.info.id] = self._build(entry.info)
+                path = self.snapshot_dir / f"collection-{entry.info.id}.faiss"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                entry.index.save(path, self._applied, {"embedding_model": entry.info.embedding_model})
+                written.append(path)
+            live = {f"collection-{info.id}" for info in self.store.list_collections()}
+            for stale in self.snapshot_dir.glob("collection-*"):
+                if stale.name.split(".")[0] not in live and stale.suffix in (".faiss", ".json"):
+                    stale.unlink(missing_ok=True)
         return written
+
+    def snapshot_erasures(self) -> list[Path]:
+        """Rewrite the snapshots of collections that lost faces since their last snapshot, so that
+        erased vectors do not stay on disk (the gateway calls this a few seconds after deletions)."""
+        with self._lock:
+            self.sync()
+            pending, self._erased = self._erased, set()
+        # "" (a dropped collection) matches no index: snapshot("") only removes stale files.
+        return [path for name in sorted(pending) for path in self.snapshot(name)]
 
     def sync(self) -> int:
         """Apply every logged change newer than the last applied one; returns how many."""
@@ -160,6 +187,7 @@ class Gallery:
         for change in changes:
             if change.op is ChangeOp.DROP:
                 self._collections.pop(change.collection_id, None)
+                self._erased.add("")  # snapshot("") removes the dropped collection's files
                 by_collection.pop(change.collection_id, None)
             else:
                 by_collection[change.collection_id].append(change)
@@ -176,6 +204,7 @@ class Gallery:
                 elif change.op is ChangeOp.REMOVE:
                     entry.index.remove(np.array([change.face_id]))
                     entry.identity_of.pop(change.face_id, None)
+                    self._erased.add(entry.info.name)
 
     # --- followers (replicas in other processes) ---------------------------------------------
 

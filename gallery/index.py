@@ -9,10 +9,12 @@ gallery rebuilds the index from the database.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -102,6 +104,10 @@ class FaceIndex:
         return set(self._ids)
 
     @property
+    def has_tombstones(self) -> bool:
+        return bool(self._tombstones)
+
+    @property
     def needs_compaction(self) -> bool:
         live = max(len(self._ids), 1)
         return len(self._tombstones) > self.config.compact_fraction * live
@@ -112,7 +118,7 @@ class FaceIndex:
         fresh = np.array([i not in self._ids and i not in self._tombstones for i in ids.tolist()], dtype=bool)
         if not fresh.any():
             return 0
-        matrix = np.ascontiguousarray(vectors[fresh], dtype=np.float32)
+        matrix = np.ascontiguousarray(vectors if fresh.all() else vectors[fresh], dtype=np.float32)
         if matrix.shape[1] != self.dimension:
             raise ValueError(f"vectors have dimension {matrix.shape[1]}, index has {self.dimension}")
         self._index.add_with_ids(matrix, ids[fresh])
@@ -169,10 +175,7 @@ class FaceIndex:
         ivf.train(np.ascontiguousarray(sample))
         ivf.add_with_ids(np.ascontiguousarray(vectors), np.asarray(ids, np.int64))
         probes = genuine_probes(vectors, self.config.recall_queries)
-        exact = faiss.IndexFlatIP(self.dimension)
-        exact.add(np.ascontiguousarray(vectors))
-        _, truth_rows = exact.search(probes, 10)
-        truth = np.asarray(ids, np.int64)[truth_rows]
+        truth = np.asarray(ids, np.int64)[_exact_top10(probes, vectors)]
         nprobe = 1
         while nprobe <= nlist:
             ivf.nprobe = nprobe
@@ -195,23 +198,33 @@ class FaceIndex:
     # --- snapshots ----------------------------------------------------------------------------
 
     def save(self, path: Path, seq: int, extra: dict[str, Any] | None = None) -> None:
-        """Write the index and its metadata atomically (temp files, fsync, rename; metadata last)."""
+        """Write the index, then its metadata (with the index file's sha256), each atomically.
+
+        Temporary names are unique per writer, and ``load`` checks the digest, so two processes
+        sharing a snapshot folder can never pair one's index with the other's metadata.
+        """
         cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
+        token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staged = path.with_name(f"{path.name}.{token}.partial")
+        faiss.write_index(cpu, str(staged))
+        _fsync(staged)
         meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
-                "ids": len(self._ids), "tombstones": sorted(self._tombstones), **(extra or {})}
-        for target, write in ((path, lambda p: faiss.write_index(cpu, str(p))),
-                              (path.with_suffix(".json"), lambda p: p.write_text(json.dumps(meta)))):
-            partial = target.with_name(target.name + ".partial")
-            write(partial)
-            with partial.open("rb") as handle:
-                os.fsync(handle.fileno())
-            partial.replace(target)
+                "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": _sha256(staged),
+                **(extra or {})}
+        staged.replace(path)
+        meta_path = path.with_suffix(".json")
+        staged_meta = meta_path.with_name(f"{meta_path.name}.{token}.partial")
+        staged_meta.write_text(json.dumps(meta))
+        _fsync(staged_meta)
+        staged_meta.replace(meta_path)
 
     @classmethod
     def load(cls, path: Path, config: IndexConfig | None = None,
              force_tombstones: bool = False) -> tuple[FaceIndex, dict[str, Any]]:
         """Index and metadata from ``save``; raises OSError/ValueError when missing or inconsistent."""
         meta = json.loads(path.with_suffix(".json").read_text())
+        if not isinstance(meta, dict) or meta.get("sha256") != _sha256(path):
+            raise ValueError(f"snapshot {path} does not match its metadata (digest differs)")
         cpu = faiss.read_index(str(path))
         index = cls(int(meta["dimension"]), config, force_tombstones)
         index.kind, index.nprobe = IndexKind(meta["kind"]), int(meta["nprobe"])
@@ -225,6 +238,34 @@ class FaceIndex:
         index._cpu = cpu
         index._index = index._to_device(cpu)
         return index, meta
+
+
+def _exact_top10(queries: Vectors, vectors: Vectors, chunk: int = 65536) -> NDArray[np.int64]:
+    """Rows of the 10 best inner products per query, by brute force in chunks (no second index)."""
+    best_scores = np.full((len(queries), 0), -np.inf, np.float32)
+    best_rows = np.zeros((len(queries), 0), np.int64)
+    for start in range(0, len(vectors), chunk):
+        scores = queries @ vectors[start : start + chunk].T
+        rows = np.broadcast_to(np.arange(start, start + scores.shape[1]), scores.shape)
+        best_scores = np.concatenate([best_scores, scores], axis=1)
+        best_rows = np.concatenate([best_rows, rows], axis=1)
+        keep = np.argsort(-best_scores, axis=1, kind="stable")[:, :10]
+        best_scores = np.take_along_axis(best_scores, keep, 1)
+        best_rows = np.take_along_axis(best_rows, keep, 1)
+    return best_rows
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
 
 
 def _ivf_ids(index: Any) -> Ids:

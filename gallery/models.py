@@ -22,7 +22,9 @@ from sqlalchemy import (
     String,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
 
 # SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets BIGINT identities.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -30,6 +32,23 @@ BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on every engine (SQLite stores them without an offset)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("timestamps must be timezone-aware")
+        return None if value is None else value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class Base(DeclarativeBase):
@@ -46,6 +65,7 @@ class Collection(Base):
     """One tenant's gallery: every face in it comes from one embedding model."""
 
     __tablename__ = "collections"
+    __table_args__ = {"sqlite_autoincrement": True}  # ids are never reused (replicas may lag)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
@@ -53,7 +73,7 @@ class Collection(Base):
     dimension: Mapped[int] = mapped_column(Integer)
     match_threshold: Mapped[float] = mapped_column(Float)
     keep_crops: Mapped[bool] = mapped_column(default=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
     identities: Mapped[list[Identity]] = relationship(
         back_populates="collection", cascade="all, delete-orphan", passive_deletes=True
@@ -64,15 +84,16 @@ class Identity(Base):
     """A person, known to the caller by ``external_id`` (unique within the collection)."""
 
     __tablename__ = "identities"
-    __table_args__ = (UniqueConstraint("collection_id", "external_id", name="uq_identity_external_id"),)
+    __table_args__ = (UniqueConstraint("collection_id", "external_id", name="uq_identity_external_id"),
+                      {"sqlite_autoincrement": True})
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     collection_id: Mapped[int] = mapped_column(ForeignKey("collections.id", ondelete="CASCADE"), index=True)
     external_id: Mapped[str] = mapped_column(String(256))
     name: Mapped[str] = mapped_column(String(256), default="")
     attributes: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow, onupdate=utcnow)
 
     collection: Mapped[Collection] = relationship(back_populates="identities")
     faces: Mapped[list[Face]] = relationship(
@@ -98,7 +119,7 @@ class Face(Base):
     detection_score: Mapped[float] = mapped_column(Float)
     quality: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     crop: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # PNG of the aligned 112x112 face
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
     identity: Mapped[Identity] = relationship(back_populates="faces")
 
@@ -114,18 +135,19 @@ class FaceChange(Base):
     face_id: Mapped[int] = mapped_column(BigInteger)
     identity_id: Mapped[int] = mapped_column(BigInteger)
     op: Mapped[str] = mapped_column(String(8))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
 
 
 class ApiKey(Base):
     """A per-collection API key. Only a SHA-256 of the secret is stored; revoked keys stay for audit."""
 
     __tablename__ = "api_keys"
+    __table_args__ = {"sqlite_autoincrement": True}
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     collection_id: Mapped[int] = mapped_column(ForeignKey("collections.id", ondelete="CASCADE"), index=True)
     prefix: Mapped[str] = mapped_column(String(16))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     label: Mapped[str] = mapped_column(String(128), default="")
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)

@@ -344,8 +344,6 @@ def test_face_ids_are_never_reused(people: GalleryStore, rng: np.random.Generato
 def test_timestamps_are_utc_aware(people: GalleryStore, db_url: str, request: pytest.FixtureRequest) -> None:
     """Known gap: ``DateTime(timezone=True)`` on SQLite stores no offset, so rows read back carry naive
     datetimes while freshly created ones are UTC-aware (PostgreSQL keeps the offset)."""
-    if db_url.startswith("sqlite"):
-        request.applymarker(pytest.mark.xfail(reason="SQLite drops the offset of DateTime(timezone=True)"))
     store = people
     store.create_identity("people", "t", "T")
     for info in (store.get_collection("people"), store.get_identity("people", "t")):

@@ -28,6 +28,7 @@ def upgrade() -> None:
         sa.Column("match_threshold", sa.Float(), nullable=False),
         sa.Column("keep_crops", sa.Boolean(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sqlite_autoincrement=True,
     )
     op.create_table(
         "identities",
@@ -39,6 +40,7 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.UniqueConstraint("collection_id", "external_id", name="uq_identity_external_id"),
+        sqlite_autoincrement=True,
     )
     op.create_index("ix_identities_collection_id", "identities", ["collection_id"])
     op.create_table(

@@ -28,6 +28,7 @@ def upgrade() -> None:
         sa.Column("label", sa.String(128), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
+        sqlite_autoincrement=True,
     )
     op.create_index("ix_api_keys_collection_id", "api_keys", ["collection_id"])
 
