@@ -12,10 +12,12 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gallery.db import Database, create_db_engine, migrate
 from gallery.gallery import Gallery
@@ -28,7 +30,7 @@ from service.logs import request_id
 from service.metrics import Metrics
 from service.pipeline_client import AsyncPipelineClient
 from service.recognition import FaceService
-from service.routers import collections, health, identities, recognition
+from service.routers import collections, demo, health, identities, recognition
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,9 @@ a collection key reaches only its own collection. **Images**: multipart uploads 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-def _route_template(request: Request) -> str:
+def _route_template(scope: Scope) -> str:
     """The matched route's path template (bounded label values for metrics), set by the router."""
-    return str(getattr(request.scope.get("route"), "path", "unmatched"))
+    return str(getattr(scope.get("route"), "path", "unmatched"))
 
 
 async def _snapshot_periodically(gallery: Gallery, interval: float) -> None:
@@ -94,32 +96,65 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    for router in (health.router, collections.router, identities.router, recognition.router):
+    for router in (health.router, collections.router, identities.router, recognition.router, demo.router):
         app.include_router(router)
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        incoming = request.headers.get("x-request-id", "")
+    # The last added is the outermost: Observe sees every response, the body-size 413s included.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)
+    app.add_middleware(Observe, timeout_s=settings.limits.request_timeout_s, metrics=app.state.metrics)
+    return app
+
+
+class Observe:
+    """Request id, timeout, metrics and the access log of every HTTP request (outermost middleware).
+
+    Plain ASGI rather than ``BaseHTTPMiddleware``: the timeout cancels the request's own task (with
+    ``call_next`` the route went on running after the 504, and its failure was re-raised as an
+    unhandled error), and exceptions raised while the body is read (the streamed-body 413) reach the
+    exception handlers as they are instead of wrapped in an ``ExceptionGroup`` (a 500).
+    """
+
+    def __init__(self, app: ASGIApp, timeout_s: float, metrics: Metrics) -> None:
+        self.app, self.timeout_s, self.metrics = app, timeout_s, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = Headers(scope=scope).get("x-request-id", "")
         rid = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                MutableHeaders(scope=message)["X-Request-ID"] = rid
+            await send(message)
+
         token = request_id.set(rid)
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(settings.limits.request_timeout_s):
-                response = await call_next(request)
+            async with asyncio.timeout(self.timeout_s):
+                await self.app(scope, receive, send_with_id)
         except TimeoutError:
-            response = error_response(504, "timeout", f"no answer within {settings.limits.request_timeout_s} s")
+            if not status:
+                await error_response(504, "timeout", f"no answer within {self.timeout_s} s")(scope, receive,
+                                                                                           send_with_id)
+        except Exception:
+            if not status:  # the generic 500 of the error handler, with the request id
+                await error_response(500, "internal_error", "internal error; the request id is in the logs")(
+                    scope, receive, send_with_id)
+            raise
         finally:
             request_id.reset(token)
-        elapsed = time.perf_counter() - started
-        route = _route_template(request)
-        metrics: Metrics = request.app.state.metrics
-        metrics.requests.labels(request.method, route, str(response.status_code)).inc()
-        metrics.latency.labels(request.method, route).observe(elapsed)
-        response.headers["X-Request-ID"] = rid
-        log.info("%s %s -> %d", request.method, route, response.status_code,
-                 extra={"fields": {"request_id": rid, "status": response.status_code,
-                                   "duration_ms": round(elapsed * 1000, 1), "path": request.url.path}})
-        return response
+            if status:  # else cancelled before any answer (client gone, shutdown): nothing to count
+                self._record(scope, rid, status, time.perf_counter() - started)
 
-    app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)
-    return app
+    def _record(self, scope: Scope, rid: str, status: int, elapsed: float) -> None:
+        route, method = _route_template(scope), str(scope["method"])
+        self.metrics.requests.labels(method, route, str(status)).inc()
+        self.metrics.latency.labels(method, route).observe(elapsed)
+        log.info("%s %s -> %d", method, route, status,
+                 extra={"fields": {"request_id": rid, "status": status, "path": scope["path"],
+                                   "duration_ms": round(elapsed * 1000, 1)}})

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gallery.errors import Conflict, CropsMissing, GalleryError, InvalidEmbedding, ModelMismatch, NotFound
@@ -115,6 +115,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, "database_unavailable", "the database is unavailable", {},
                               {"Retry-After": str(RETRY_AFTER_S)})
 
+    @app.exception_handler(DataError)
+    async def database_refused(_: Request, exc: DataError) -> JSONResponse:
+        """A value from the request the database cannot store or compare (PostgreSQL: a NUL character)."""
+        log.info("the database refused a value: %s", exc.orig)
+        return error_response(422, "validation_error", "a value in the request is not valid here "
+                              "(text must not contain NUL characters)")
+
     @app.exception_handler(DBAPIError)
     async def database_error(_: Request, exc: DBAPIError) -> JSONResponse:
         if exc.connection_invalidated:
@@ -127,6 +134,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
                   for e in exc.errors()]
+        if any(e["type"] == "json_invalid" for e in errors):  # as on the image routes (service/images.py)
+            return error_response(400, "invalid_json", "the body is not valid JSON", {"errors": errors})
         return error_response(422, "validation_error", "the request is not valid", {"errors": errors})
 
     @app.exception_handler(StarletteHTTPException)

@@ -69,7 +69,16 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
     With ``check`` every image is vetted by ``check_image`` (the first bad one raises)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
-        form = await request.form(max_files=max_images + 1, max_fields=32)
+        try:
+            form = await request.form(max_files=max_images + 1, max_fields=32)
+        except StarletteHTTPException as exc:  # Starlette's 400 for a form it refuses to parse
+            if exc.status_code != 400:
+                raise
+            if str(exc.detail).startswith("Too many files"):  # more than max_images + 1 files
+                raise PayloadTooLarge(f"more than {max_images} images per request",
+                                      code="too_many_images") from exc
+            raise ApiError(f"the multipart body is not valid: {exc.detail}",
+                           code="invalid_multipart") from exc
         images: list[bytes] = []
         others: dict[str, Any] = {}
         for key, value in form.multi_items():
@@ -83,7 +92,7 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
     elif content_type == "application/json":
         try:
             body = json_model.model_validate(json.loads(await request.body()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise ApiError("the body is not valid JSON", code="invalid_json") from exc
         except ValidationError as exc:
             details = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]

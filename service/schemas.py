@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                             examples=["employees"])]
 ExternalId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^/\s][^/]*$", examples=["emp-0042"])]
 Base64Image = Annotated[str, Field(min_length=1, description="JPEG, PNG, WebP or BMP bytes, base64 (a data: URI "
                                                              "prefix is accepted)")]
+
+
+#: Metadata nested deeper than this is refused (deeper values were stored, then could not be serialized:
+#: every later listing of the collection failed).
+MAX_METADATA_DEPTH = 20
+
+
+def _strict_json(value: dict[str, Any]) -> dict[str, Any]:
+    """Plain, bounded JSON: Python's parser accepts NaN/Infinity, which are not JSON (stored, they became
+    null on SQLite and a 500 on PostgreSQL)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_METADATA_DEPTH:
+                raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError as exc:
+        raise ValueError("metadata must be plain JSON (no NaN or Infinity)") from exc
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(_strict_json)]
 
 
 class Box(BaseModel):
@@ -89,12 +115,12 @@ class IdentityCreate(BaseModel):
 
     external_id: ExternalId
     name: str = Field("", max_length=256)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: Metadata = Field(default_factory=dict)
 
 
 class IdentityUpdate(BaseModel):
     name: str | None = Field(None, max_length=256)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
 
 
 class IdentityOut(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, status
@@ -95,7 +96,8 @@ def parse_box(raw: object) -> list[float] | None:
         values = [float(v) for v in (raw.split(",") if isinstance(raw, str) else raw)]  # type: ignore[attr-defined]
     except (TypeError, ValueError) as exc:
         raise ApiError("box must be four numbers x1,y1,x2,y2", code="validation_error", status=422) from exc
-    if len(values) != 4 or values[2] <= values[0] or values[3] <= values[1]:
+    if len(values) != 4 or not all(math.isfinite(v) for v in values) or values[2] <= values[0] \
+            or values[3] <= values[1]:  # NaN compares false: without isfinite it passed, and chose face 0
         raise ApiError("box must be four numbers x1,y1,x2,y2 with x2 > x1 and y2 > y1", code="validation_error",
                        status=422)
     return values
