@@ -52,11 +52,19 @@ def _route_template(scope: Scope) -> str:
     return str(getattr(scope.get("route"), "path", "unmatched"))
 
 
-async def _snapshot_periodically(gallery: Gallery, interval: float) -> None:
+async def _snapshot_periodically(gallery: Gallery, interval: float, erasure_delay: float = 5.0) -> None:
+    """Full snapshots every ``interval``; snapshots of collections that lost faces within seconds,
+    so that erased vectors do not linger on disk."""
+    since_full = 0.0
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(erasure_delay)
+        since_full += erasure_delay
         try:
-            await asyncio.to_thread(gallery.snapshot)
+            if since_full >= interval:
+                since_full = 0.0
+                await asyncio.to_thread(gallery.snapshot)
+            else:
+                await asyncio.to_thread(gallery.snapshot_erasures)
         except Exception:  # a failed snapshot only costs a longer replay at the next start
             log.exception("gallery snapshot failed")
 
@@ -77,7 +85,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.metrics.watch_gallery(gallery.sizes)
     app.state.faces = FaceService(pipeline, gallery, store, app.state.metrics, settings.quality.thresholds(),
                                   settings.limits.max_faces, settings.limits.max_k)
-    snapshots = asyncio.create_task(_snapshot_periodically(gallery, settings.gallery.snapshot_interval_s))
+    snapshots = asyncio.create_task(_snapshot_periodically(
+        gallery, settings.gallery.snapshot_interval_s, settings.gallery.erasure_snapshot_delay_s))
     log.info("gateway ready: triton %s, database %s", settings.triton.url, engine.url.render_as_string())
     try:
         yield

@@ -30,6 +30,8 @@ class GallerySettings(BaseModel):
     follow_interval_s: float = Field(0.2, gt=0, description="change-log polling period (replicas)")
     exact_max: int = Field(200_000, ge=0, description="faces above which an IVF index is tried")
     snapshot_interval_s: float = Field(300.0, gt=0, description="how often indexes are snapshotted")
+    erasure_snapshot_delay_s: float = Field(5.0, gt=0, description="after deletions, snapshots are rewritten "
+                                            "within this delay so erased vectors leave the disk")
 
 
 class SecuritySettings(BaseModel):

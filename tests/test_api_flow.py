@@ -7,6 +7,7 @@ The main flows run on SQLite and on PostgreSQL (``db_url`` is parametrized); the
 from __future__ import annotations
 
 import base64
+import time
 from typing import TYPE_CHECKING, Any
 
 import cv2
@@ -428,3 +429,23 @@ def test_collections_lifecycle(engine_api: Api) -> None:
     assert api.ok(api.get("/v1/collections/first/keys")) == []
     api.error(api.get("/v1/collections/first", key), 401, "unauthorized")
     assert only_face(api.ok(api.identify("first", "obama2.jpg")))["candidates"] == []
+
+
+def test_erasure_reaches_the_snapshot_files(start_api: Any) -> None:
+    """After an identity is deleted, the on-disk index snapshot no longer holds its vectors."""
+    from gallery.index import FaceIndex
+
+    api = start_api(gallery={"erasure_snapshot_delay_s": 0.2})
+    api.create_collection("people")
+    enrolled = api.enroll("people", "obama", "obama.jpg", params={"create": "true"})
+    face_id = api.ok(enrolled, 201)["faces"][0]["id"]
+    snapshot_dir = api.settings.gallery.snapshot_dir
+    assert snapshot_dir is not None
+    api.app.state.gallery.snapshot()
+    (path,) = snapshot_dir.glob("collection-*.faiss")
+    assert face_id in FaceIndex.load(path)[0].ids
+    assert api.delete("/v1/collections/people/identities/obama").status_code == 204
+    deadline = time.monotonic() + 10
+    while face_id in FaceIndex.load(path)[0].ids and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert face_id not in FaceIndex.load(path)[0].ids
