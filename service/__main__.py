@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-key-file", type=Path, default=ROOT / "data" / "admin_key")
     args = parser.parse_args(argv)
     configure_logging(os.environ.get("FACEREC_LOG_LEVEL", "INFO"),
-                      os.environ.get("FACEREC_LOG_JSON", "false").lower() == "true")
+                      os.environ.get("FACEREC_LOG_JSON", "false").lower() in ("1", "true", "yes"))
     from_env = bool(os.environ.get("FACEREC_SECURITY__ADMIN_KEY"))
     os.environ["FACEREC_SECURITY__ADMIN_KEY"] = admin_key(args.admin_key_file)
     from service.app import create_app

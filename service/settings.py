@@ -47,7 +47,7 @@ class SecuritySettings(BaseModel):
 
 class LimitSettings(BaseModel):
     max_upload_bytes: int = Field(10 * 1024 * 1024, gt=0, description="413 above this request body size")
-    max_pixels: int = Field(40_000_000, gt=0, description="400 above this many pixels (decompression bombs)")
+    max_pixels: int = Field(40_000_000, gt=0, description="413 above this many pixels (decompression bombs)")
     max_faces: int = Field(100, gt=0, le=100, description="faces detected per image at most")
     max_batch_images: int = Field(16, gt=0, description="images per batch identify or enroll call")
     request_timeout_s: float = Field(30.0, gt=0, description="504 after this")
@@ -57,12 +57,12 @@ class LimitSettings(BaseModel):
 class QualitySettings(BaseModel):
     """Enrollment quality gate (see facecore/quality.py)."""
 
-    min_face_size: float = QualityThresholds.min_face_size
-    min_blur: float = QualityThresholds.min_blur
-    max_yaw: float = QualityThresholds.max_yaw
-    max_pitch: float = QualityThresholds.max_pitch
-    max_roll: float = QualityThresholds.max_roll
-    min_detection_score: float = QualityThresholds.min_detection_score
+    min_face_size: float = Field(QualityThresholds.min_face_size, description="shorter box side, pixels")
+    min_blur: float = Field(QualityThresholds.min_blur, description="variance of the Laplacian of the crop")
+    max_yaw: float = Field(QualityThresholds.max_yaw, description="degrees, estimated from landmarks")
+    max_pitch: float = Field(QualityThresholds.max_pitch, description="degrees, estimated from landmarks")
+    max_roll: float = Field(QualityThresholds.max_roll, description="degrees, from the eye line")
+    min_detection_score: float = Field(QualityThresholds.min_detection_score, description="detector score")
 
     def thresholds(self) -> QualityThresholds:
         return QualityThresholds(**self.model_dump())
@@ -77,5 +77,5 @@ class Settings(BaseSettings):
     security: SecuritySettings
     limits: LimitSettings = LimitSettings()
     quality: QualitySettings = QualitySettings()
-    log_json: bool = Field(True, description="JSON log lines (false: plain text)")
-    log_level: str = Field("INFO")
+    log_json: bool = Field(False, description="one JSON object per log line (the container images set true)")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
