@@ -179,6 +179,8 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
     settings = PipelineSettings(
         detector=replace(plan.detector, onnx=""), embedder=replace(plan.embedder, onnx=""),
         detector_max_batch=tuning.detector.max_batch_size, embedder_max_batch=tuning.embedder.max_batch_size,
+        # TensorRT engines are built for one detector size; ONNX Runtime takes any size.
+        dynamic_input=plan.profile is Profile.CPU,
         **plan.pipeline_overrides,  # type: ignore[arg-type]
     )
     models = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Protocol
 
 import numpy as np
@@ -57,6 +57,15 @@ class PipelineSettings:
     max_pixels: int = 40_000_000
     detector_model: str = "face_detector"
     embedder_model: str = "face_embedder"
+    #: True: the detector input follows each image's aspect ratio (multiples of 32, longer side at most
+    #: the description's size) and shrinks when a minimum face size allows. False: always the fixed
+    #: size (TensorRT engines built for 640x640).
+    dynamic_input: bool = True
+    #: Smallest face, in detector-input pixels, that the detector still finds reliably.
+    detectable_face: float = 32.0
+    #: JPEGs whose longer side is at least twice this are decoded at 1/2, 1/4 or 1/8 scale (never
+    #: below this side). 0 disables reduced decoding.
+    decode_min_side: int = 0
 
     def __post_init__(self) -> None:
         if self.detector.role is not Role.DETECTOR or self.embedder.role is not Role.EMBEDDER:
@@ -89,7 +98,7 @@ class PipelineSettings:
             if f.name in ("detector", "embedder"):
                 values[f.name] = spec_from_dict(json.loads(raw))
             else:
-                kind = {"int": int, "float": float, "str": str}[str(f.type)]
+                kind = {"int": int, "float": float, "str": str, "bool": _parse_bool}[str(f.type)]
                 try:
                     values[f.name] = kind(raw)
                 except ValueError as exc:
@@ -97,6 +106,14 @@ class PipelineSettings:
         if "detector" not in values or "embedder" not in values:
             raise ValueError("parameters 'detector' and 'embedder' (model descriptions) are required")
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw.strip().lower() in ("true", "1", "yes"):
+        return True
+    if raw.strip().lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"not a boolean: {raw!r}")
 
 
 @dataclass(frozen=True)
@@ -135,27 +152,44 @@ def _chunks(count: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
 
+def detector_input_size(image_size: tuple[int, int], settings: PipelineSettings, min_face_size: float
+                        ) -> tuple[int, int]:
+    """Network input (width, height) for one image: fixed, or sized to the image (see PipelineSettings)."""
+    max_w, max_h = settings.detector.input_size
+    if not settings.dynamic_input:
+        return max_w, max_h
+    width, height = image_size
+    scale = min(max_w / width, max_h / height)
+    if min_face_size > 0:  # the smallest wanted face still lands at `detectable_face` pixels
+        scale = min(scale, settings.detectable_face / min_face_size)
+    return (min(max_w, max(32, -(-round(width * scale) // 32) * 32)),
+            min(max_h, max(32, -(-round(height * scale) // 32) * 32)))
+
+
 def detect(
     images: Sequence[ImageArray],
     options: Sequence[DetectOptions],
     settings: PipelineSettings,
     detector: Detector,
 ) -> list[Detections]:
-    """Letterbox every image to the detector size, run the detector once per max batch, post-process."""
+    """Letterbox every image to its detector input size, run the detector once per input size (split
+    above the max batch), post-process. With a fixed input size that is one call for all images."""
     spec = settings.detector
-    width, height = spec.input_size
     fill = spec.mean[::-1] if spec.swap_rb else spec.mean  # canvas is BGR; pad with the mean colour
-    boxed = [letterbox(image, width, height, fill) for image in images]
-    batch = to_tensor(np.stack([canvas for canvas, _ in boxed]), spec.swap_rb, spec.mean, spec.std)
-    outputs = [detector(batch[part]) for part in _chunks(len(images), settings.detector_max_batch)]
-    loc, conf, landms = (np.concatenate([out[i] for out in outputs]) for i in range(3))
-    return [
-        postprocess_detections(
-            loc[i], conf[i], landms[i], (width, height), scale,
-            (image.shape[1], image.shape[0]), option,
-        )
-        for i, (image, (_, scale), option) in enumerate(zip(images, boxed, options, strict=True))
-    ]
+    sizes = [detector_input_size((image.shape[1], image.shape[0]), settings, option.min_face_size)
+             for image, option in zip(images, options, strict=True)]
+    found: list[Detections | None] = [None] * len(images)
+    for size in dict.fromkeys(sizes):
+        members = [i for i, s in enumerate(sizes) if s == size]
+        boxed = [letterbox(images[i], size[0], size[1], fill) for i in members]
+        batch = to_tensor(np.stack([canvas for canvas, _ in boxed]), spec.swap_rb, spec.mean, spec.std)
+        outputs = [detector(batch[part]) for part in _chunks(len(members), settings.detector_max_batch)]
+        loc, conf, landms = (np.concatenate([out[k] for out in outputs]) for k in range(3))
+        for k, (i, (_, scale)) in enumerate(zip(members, boxed, strict=True)):
+            image = images[i]
+            found[i] = postprocess_detections(loc[k], conf[k], landms[k], size, scale,
+                                              (image.shape[1], image.shape[0]), options[i])
+    return [f for f in found if f is not None]
 
 
 def embed(crops: ImageArray, settings: PipelineSettings, embedder: Embedder) -> FloatArray:
@@ -173,27 +207,42 @@ def embed(crops: ImageArray, settings: PipelineSettings, embedder: Embedder) -> 
     return l2_normalize(raw)
 
 
+def _to_original(result: FaceResult, size: tuple[int, int]) -> FaceResult:
+    """Map a result computed on a reduced decode back to the original image's pixels."""
+    sx, sy = size[0] / result.width, size[1] / result.height
+    found = result.detections
+    factors = np.array([sx, sy], dtype=np.float32)
+    detections = Detections(boxes=found.boxes * np.tile(factors, 2), scores=found.scores,
+                            landmarks=found.landmarks * factors)
+    return replace(result, detections=detections, width=size[0], height=size[1])
+
+
 def run_pipeline(
     images: Sequence[ImageArray],
     options: Sequence[DetectOptions],
     settings: PipelineSettings,
     detector: Detector,
     embedder: Embedder,
+    original_sizes: Sequence[tuple[int, int]] | None = None,
 ) -> list[FaceResult]:
-    """Decoded BGR images -> faces with embeddings, one result per image, in order."""
+    """Decoded BGR images -> faces with embeddings, one result per image, in order.
+
+    ``original_sizes`` (width, height) are given when images were decoded at reduced scale: options
+    are then in original pixels, and so are the results.
+    """
     if not images:
         return []
+    if original_sizes is not None:
+        options = [replace(o, min_face_size=o.min_face_size * image.shape[1] / size[0])
+                   for o, image, size in zip(options, images, original_sizes, strict=True)]
     detections = detect(images, options, settings, detector)
     size = settings.embedder.input_size[0]
-    crops = [
-        align_faces(image, found.landmarks, size)
-        for image, found in zip(images, detections, strict=True)
-    ]
+    crops = [align_faces(image, found.landmarks, size) for image, found in zip(images, detections, strict=True)]
     all_crops = np.concatenate(crops) if crops else np.zeros((0, size, size, 3), np.uint8)
     embeddings = embed(all_crops, settings, embedder)
     blur = blur_scores(all_crops)
     bounds = np.cumsum([0, *(len(found) for found in detections)])
-    return [
+    results = [
         FaceResult(
             detections=found,
             embeddings=embeddings[bounds[i] : bounds[i + 1]],
@@ -204,3 +253,7 @@ def run_pipeline(
         )
         for i, (image, found) in enumerate(zip(images, detections, strict=True))
     ]
+    if original_sizes is None:
+        return results
+    return [_to_original(r, s) if (r.width, r.height) != tuple(s) else r
+            for r, s in zip(results, original_sizes, strict=True)]

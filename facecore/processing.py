@@ -92,13 +92,32 @@ def image_header(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     return fmt, width, height
 
 
-def decode_image(data: bytes, max_pixels: int) -> ImageArray:
-    """Encoded bytes -> HxWx3 uint8 BGR, EXIF orientation applied. Raises ImageError."""
-    image_header(data, max_pixels)
-    image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+_REDUCED = {2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4, 8: cv2.IMREAD_REDUCED_COLOR_8}
+
+
+def decode_image(data: bytes, max_pixels: int, min_side: int = 0) -> ImageArray:
+    """Encoded bytes -> HxWx3 uint8 BGR, EXIF orientation applied. Raises ImageError.
+
+    With ``min_side`` > 0, a JPEG is decoded at 1/2, 1/4 or 1/8 scale (the DCT does the reduction,
+    much cheaper than a full decode) as long as its longer side stays >= ``min_side``. Coordinates are
+    then in the reduced image: callers that need original pixels use ``decoded_scale``.
+    """
+    fmt, width, height = image_header(data, max_pixels)
+    factor = 1
+    if min_side > 0 and fmt == "JPEG":
+        factor = max([f for f in _REDUCED if max(width, height) / f >= min_side], default=1)
+    flags = _REDUCED[factor] if factor > 1 else cv2.IMREAD_COLOR
+    image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flags)
     if image is None or image.size == 0:
         raise ImageError("corrupt image data: the decoder could not read the pixels")
     return np.ascontiguousarray(image)
+
+
+def original_size(data: bytes, decoded: ImageArray) -> tuple[int, int]:
+    """(width, height) of the full-size image, EXIF rotation included, for a possibly reduced decode."""
+    _, width, height = image_header(data, 2**62)
+    portrait = decoded.shape[0] > decoded.shape[1]
+    return (height, width) if portrait != (height > width) and width != height else (width, height)
 
 
 def letterbox(
@@ -148,7 +167,7 @@ def to_tensor(
 # RetinaFace post-processing
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=256)
 def prior_boxes(height: int, width: int, config: PriorConfig = PriorConfig()) -> FloatArray:
     """Anchors (cx, cy, w, h) normalized to the input size, in the network's output order.
 

@@ -52,8 +52,22 @@ def _config(repository: Path, model: str) -> str:
     return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True))
 
 
+def with_parameters(config: str, **values: str) -> str:
+    parsed = json.loads(config)
+    for key, value in values.items():
+        parsed["parameters"][key] = {"string_value": value}
+    return json.dumps(parsed)
+
+
+@pytest.fixture(params=["dynamic", "fixed"])
+def detector_mode(request: pytest.FixtureRequest) -> str:
+    """The CPU profile sizes the detector input to each image; the GPU profile uses 640x640."""
+    return str(request.param)
+
+
 @pytest.fixture
-def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels) -> object:
+def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels,
+                   detector_mode: str) -> object:
     """face_pipeline's TritonPythonModel wired to the real ONNX models through the fake BLS."""
     detector = create_session(default_models.detector_file)
     embedder = create_session(default_models.embedder_file)
@@ -71,7 +85,9 @@ def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_mode
     fake_pb_utils.BLS_HANDLERS.update(face_detector=run_detector, face_embedder=run_embedder)
     module = load_model_module(PIPELINE_SOURCE, "face_pipeline_model")
     model = module.TritonPythonModel()
-    model.initialize({"model_config": _config(cpu_repository, "face_pipeline"), "model_version": "1"})
+    config = with_parameters(_config(cpu_repository, "face_pipeline"),
+                             dynamic_input=str(detector_mode == "dynamic"))
+    model.initialize({"model_config": config, "model_version": "1"})
     return model
 
 
@@ -86,16 +102,21 @@ def calls_to(model: str) -> list[dict[str, np.ndarray]]:
 
 
 def test_one_detector_and_one_embedder_call_for_the_whole_execute(
-    pipeline_model: object, photo_bytes: dict[str, bytes]
+    pipeline_model: object, photo_bytes: dict[str, bytes], detector_mode: str
 ) -> None:
-    names = ["t1.jpg", "obama.jpg", "coffee.png", "biden.jpg"]
+    names = ["t1.jpg", "obama.jpg", "coffee.png", "biden.jpg", "obama2.jpg"]
     responses = pipeline_model.execute([request(photo_bytes[n]) for n in names])  # type: ignore[attr-defined]
     counts = [r.output("SCORES").shape[1] for r in responses]
-    assert counts == [6, 1, 0, 1]
-    (detector_call,) = calls_to("face_detector")
-    assert detector_call["input"].shape == (4, 3, 640, 640)
+    assert counts == [6, 1, 0, 1, 1]
+    shapes = [call["input"].shape for call in calls_to("face_detector")]
+    if detector_mode == "fixed":
+        assert shapes == [(5, 3, 640, 640)]  # one call for the whole execute
+    else:  # one call per input size: each image's aspect ratio, multiples of 32, longer side 640;
+        # t1.jpg (1280x886) and coffee.png (600x400) both become 640x448 and share a call
+        assert sorted(shapes) == sorted([(2, 3, 448, 640), (1, 3, 640, 512), (1, 3, 640, 288),
+                                         (1, 3, 640, 352)])
     (embedder_call,) = calls_to("face_embedder")
-    assert embedder_call["data"].shape == (8, 3, 112, 112)
+    assert embedder_call["data"].shape == (9, 3, 112, 112)
     for response, count in zip(responses, counts, strict=True):
         assert response.output("BOXES").shape == (1, count, 4)
         assert response.output("LANDMARKS").shape == (1, count, 5, 2)
@@ -132,8 +153,7 @@ def test_bad_request_fails_alone(pipeline_model: object, photo_bytes: dict[str, 
     assert "score_threshold" in errors[3].message()  # type: ignore[union-attr]
     assert responses[1].output("SCORES").shape == (1, 1)
     assert responses[4].output("CROPS").shape == (1, 1, 112, 112, 3)
-    (detector_call,) = calls_to("face_detector")
-    assert detector_call["input"].shape[0] == 2
+    assert sum(call["input"].shape[0] for call in calls_to("face_detector")) == 2  # the two good images
 
 
 def test_model_failure_fails_the_execute_not_the_process(
@@ -162,3 +182,21 @@ def test_onnx_model_merges_requests_of_the_same_shape(
     alone = [model.session.run(["fc1"], {"data": b})[0] for b in batches]
     for response, expected in zip(responses, alone, strict=True):
         np.testing.assert_allclose(response.output("fc1"), expected, atol=1e-4)
+
+
+def test_reduced_decode_reports_original_pixels(
+    fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels, photo_bytes: dict[str, bytes],
+    pipeline_model: object,
+) -> None:
+    """decode_min_side decodes big JPEGs at 1/2..1/8 scale; boxes still come back in original pixels."""
+    full = pipeline_model.execute([request(photo_bytes["obama3.jpg"])])[0]  # type: ignore[attr-defined]
+    module = load_model_module(PIPELINE_SOURCE, "face_pipeline_reduced")
+    reduced_model = module.TritonPythonModel()
+    reduced_model.initialize({"model_config": with_parameters(_config(cpu_repository, "face_pipeline"),
+                                                              decode_min_side="1000"), "model_version": "1"})
+    reduced = reduced_model.execute([request(photo_bytes["obama3.jpg"])])[0]
+    assert reduced.output("IMAGE_SIZE").tolist() == full.output("IMAGE_SIZE").tolist() == [[1434, 2333]]
+    np.testing.assert_allclose(reduced.output("BOXES"), full.output("BOXES"), atol=12)
+    np.testing.assert_allclose(reduced.output("LANDMARKS"), full.output("LANDMARKS"), atol=8)
+    cosine = float(np.sum(reduced.output("EMBEDDINGS")[0, 0] * full.output("EMBEDDINGS")[0, 0]))
+    assert cosine > 0.9  # the same face, decoded at half resolution

@@ -740,3 +740,25 @@ def test_postprocess_wrong_anchor_count() -> None:
     loc, conf, landms = raw_outputs()
     with pytest.raises(ValueError, match="16800"):
         detect((loc[:-1], conf[:-1], landms[:-1]))
+
+
+# --- work reduction: reduced JPEG decoding ----------------------------------------------------------
+
+
+def test_reduced_jpeg_decode_and_original_size() -> None:
+    from facecore.processing import original_size
+
+    rng = np.random.default_rng(7)
+    image = cv2.resize(rng.integers(0, 255, (60, 80, 3), dtype=np.uint8), (4000, 3000))
+    ok, jpeg = cv2.imencode(".jpg", image)
+    assert ok
+    data = jpeg.tobytes()
+    full = decode_image(data, 10**8)
+    assert full.shape == (3000, 4000, 3)
+    assert decode_image(data, 10**8, min_side=1000).shape == (750, 1000, 3)  # 1/4: longer side stays >= 1000
+    assert decode_image(data, 10**8, min_side=1500).shape == (1500, 2000, 3)  # 1/2
+    assert decode_image(data, 10**8, min_side=3000).shape == (3000, 4000, 3)  # no reduction possible
+    reduced = decode_image(data, 10**8, min_side=1000)
+    assert original_size(data, reduced) == (4000, 3000)
+    ok, png = cv2.imencode(".png", image[:400, :600])
+    assert decode_image(png.tobytes(), 10**8, min_side=100).shape == (400, 600, 3)  # only JPEGs are reduced

@@ -290,3 +290,26 @@ def test_model_spec_is_immutable() -> None:
     assert isinstance(spec, ModelSpec)
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"  # type: ignore[misc]
+
+
+def test_detector_input_follows_the_image_and_the_minimum_face(settings: PipelineSettings) -> None:
+    from dataclasses import replace as dc_replace
+
+    from facecore.pipeline import detector_input_size
+
+    dynamic = dc_replace(settings, dynamic_input=True, detectable_face=32.0)
+    assert detector_input_size((1280, 886), dynamic, 0) == (640, 448)  # aspect kept, multiples of 32
+    assert detector_input_size((910, 1137), dynamic, 0) == (512, 640)
+    assert detector_input_size((100, 80), dynamic, 0) == (640, 512)  # small images are scaled up to fit
+    assert detector_input_size((1280, 886), dynamic, 128) == (320, 224)  # a 128 px face lands at 32 px
+    assert detector_input_size((40, 4000), dynamic, 0) == (32, 640)  # never below 32
+    fixed = dc_replace(settings, dynamic_input=False)
+    assert detector_input_size((1280, 886), fixed, 128) == (640, 640)
+
+
+def test_boolean_parameters(settings: PipelineSettings) -> None:
+    params = settings.to_parameters()
+    assert PipelineSettings.from_parameters({**params, "dynamic_input": "false"}).dynamic_input is False
+    assert PipelineSettings.from_parameters({**params, "dynamic_input": "True"}).dynamic_input is True
+    with pytest.raises(ValueError, match="dynamic_input"):
+        PipelineSettings.from_parameters({**params, "dynamic_input": "maybe"})

@@ -20,6 +20,7 @@ from facecore.processing import (
     FloatArray,
     ImageArray,
     decode_image,
+    original_size,
     postprocess_detections,
     prior_boxes,
 )
@@ -44,8 +45,10 @@ def optional_scalar(request: Any, name: str) -> Any:
     return None if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
 
 
-def read_request(request: Any, settings: PipelineSettings) -> tuple[ImageArray, DetectOptions, bool]:
-    """The request's decoded image, detection options and whether crops are wanted."""
+def read_request(
+    request: Any, settings: PipelineSettings
+) -> tuple[ImageArray, tuple[int, int], DetectOptions, bool]:
+    """The request's decoded image, its original size, detection options and whether crops are wanted."""
     encoded = pb_utils.get_input_tensor_by_name(request, "IMAGE").as_numpy().reshape(-1)
     if encoded.size != 1:
         raise ValueError(f"IMAGE must hold exactly one encoded image, got {encoded.size}")
@@ -55,8 +58,10 @@ def read_request(request: Any, settings: PipelineSettings) -> tuple[ImageArray, 
         max_faces=optional_scalar(request, "MAX_FACES"),
         min_face_size=optional_scalar(request, "MIN_FACE_SIZE"),
     )
-    image = decode_image(bytes(encoded[0]), settings.max_pixels)
-    return image, options, bool(optional_scalar(request, "RETURN_CROPS"))
+    data = bytes(encoded[0])
+    image = decode_image(data, settings.max_pixels, settings.decode_min_side)
+    size = original_size(data, image) if settings.decode_min_side else (image.shape[1], image.shape[0])
+    return image, size, options, bool(optional_scalar(request, "RETURN_CROPS"))
 
 
 def to_response(result: FaceResult, with_crops: bool) -> Any:
@@ -113,7 +118,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
-        accepted: list[tuple[int, ImageArray, DetectOptions, bool]] = []
+        accepted: list[tuple[int, ImageArray, tuple[int, int], DetectOptions, bool]] = []
         for index, request in enumerate(requests):
             try:
                 accepted.append((index, *read_request(request, self.settings)))
@@ -121,9 +126,9 @@ class TritonPythonModel:
                 responses[index] = invalid(str(exc))
         if not accepted:
             return responses
-        indices, images, options, crops = zip(*accepted, strict=True)
+        indices, images, sizes, options, crops = zip(*accepted, strict=True)
         try:
-            results = run_pipeline(images, options, self.settings, self.detect, self.embed)
+            results = run_pipeline(images, options, self.settings, self.detect, self.embed, sizes)
         except Exception as exc:  # a failed model call fails this execute's requests, not the server
             error = pb_utils.TritonError(f"face_pipeline: {exc}")
             for index in indices:
