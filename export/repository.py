@@ -47,17 +47,24 @@ class Batching:
     instances: int = 1
 
 
+TUNING_DIR = Path(__file__).resolve().parent / "tuning"
+
+
 @dataclass(frozen=True)
 class ProfileTuning:
-    """Chosen per profile; ``bench/`` sweeps measure and replace them."""
+    """Serving choices of one profile. ``bench.tune`` measures candidates and records the best in
+    ``export/tuning/<profile>.json``, which then is the default."""
 
     detector: Batching
     embedder: Batching
     pipeline: Batching
-    intra_op_threads: int = 2
+    detector_threads: int = 2  # ONNX Runtime intra-op threads (CPU profile)
+    embedder_threads: int = 2
+    #: face_pipeline parameters (PipelineSettings fields as strings), e.g. {"decode_min_side": "1280"}.
+    pipeline_options: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
-    def default(profile: Profile) -> ProfileTuning:
+    def builtin(profile: Profile) -> ProfileTuning:
         if profile is Profile.CPU:
             # Two cores: one instance per model, ONNX Runtime on both cores; short queue delays because
             # on this CPU the per-item cost does not fall with batch size (batching saves overhead only).
@@ -72,6 +79,23 @@ class ProfileTuning:
             embedder=Batching(128, (32, 64, 128), 500),
             pipeline=Batching(16, (8, 16), 1000, instances=2),
         )
+
+    @staticmethod
+    def default(profile: Profile) -> ProfileTuning:
+        """The recorded tuning of this profile when there is one, else the built-in choice."""
+        recorded = TUNING_DIR / f"{profile.value}.json"
+        return ProfileTuning.from_json(recorded.read_text()) if recorded.exists() else ProfileTuning.builtin(profile)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @staticmethod
+    def from_json(text: str) -> ProfileTuning:
+        data = json.loads(text)
+        data.pop("note", None)
+        batching = {k: Batching(v["max_batch_size"], tuple(v["preferred"]), v["queue_delay_us"], v["instances"])
+                    for k, v in data.items() if k in ("detector", "embedder", "pipeline")}
+        return ProfileTuning(**{**data, **batching})
 
 
 @dataclass(frozen=True)
@@ -126,7 +150,9 @@ def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: 
     params = {"architecture": spec.architecture, "model_name": spec.name, "license": spec.license,
               "source": spec.source, "spec": json.dumps(asdict(spec))}
     if not gpu:
-        params |= {"onnx_file": "model.onnx", "intra_op_threads": str(plan.effective_tuning.intra_op_threads)}
+        tuning = plan.effective_tuning
+        threads = tuning.detector_threads if spec.role == "detector" else tuning.embedder_threads
+        params |= {"onnx_file": "model.onnx", "intra_op_threads": str(threads)}
     _set_parameters(config, params)
     return config
 
@@ -176,13 +202,14 @@ def _check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
 def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embedder_file: Path) -> Path:
     """Write (or add version ``plan.version`` to) the repository at ``out``; returns ``out``."""
     tuning = plan.effective_tuning
-    settings = PipelineSettings(
+    base = PipelineSettings(
         detector=replace(plan.detector, onnx=""), embedder=replace(plan.embedder, onnx=""),
         detector_max_batch=tuning.detector.max_batch_size, embedder_max_batch=tuning.embedder.max_batch_size,
         # TensorRT engines are built for one detector size; ONNX Runtime takes any size.
         dynamic_input=plan.profile is Profile.CPU,
-        **plan.pipeline_overrides,  # type: ignore[arg-type]
     )
+    options = {**tuning.pipeline_options, **{k: str(v) for k, v in plan.pipeline_overrides.items()}}
+    settings = PipelineSettings.from_parameters({**base.to_parameters(), **options})
     models = {
         DETECTOR: (_network_config(DETECTOR, settings.detector, plan, tuning.detector), detector_file),
         EMBEDDER: (_network_config(EMBEDDER, settings.embedder, plan, tuning.embedder), embedder_file),

@@ -1,0 +1,177 @@
+"""Sweep serving configurations, Model-Analyzer style, and keep the best one for a latency budget.
+
+    python -m bench.tune --budget-ms 250 --seconds 8
+
+Each candidate is a full repository (written by ``export``) served by a fresh tritonserver and
+measured over gRPC with real photos: p50/p99 at concurrency 1 and throughput at concurrency 8.
+The search is coordinate descent from the current default: one dimension at a time (ONNX Runtime
+threads per model, instances, preferred batch sizes and queue delay, detector input size, decode
+path), keeping a change only when throughput at concurrency 8 improves by more than the noise
+margin while p99 at concurrency 8 stays within the budget. The winner is written to
+``export/tuning/cpu.json`` (the default from then on) and into ``model_repository/cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.load import closed_loop
+from bench.pipeline import _free_port
+from export.defaults import prepare_default_models
+from export.fetch import fetch_photos
+from export.repository import TUNING_DIR, Profile, ProfileTuning, RepositoryPlan, write_repository
+from service.launcher import TritonPorts, TritonServer
+from service.pipeline_client import PipelineClient
+
+ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("bench.tune")
+
+
+@dataclass(frozen=True)
+class Trial:
+    name: str
+    tuning: ProfileTuning
+    p50_c1_ms: float
+    p99_c8_ms: float
+    throughput_c8: float
+    errors: int
+
+
+Mutation = Callable[[ProfileTuning], ProfileTuning]
+
+
+def _options(**values: str) -> Mutation:
+    return lambda t: replace(t, pipeline_options={**t.pipeline_options, **values})
+
+
+def _batching(model: str, **changes: object) -> Mutation:
+    return lambda t: replace(t, **{model: replace(getattr(t, model), **changes)})
+
+
+#: Dimensions in the order they are tried, each with its candidate values.
+DIMENSIONS: dict[str, dict[str, Mutation]] = {
+    "threads": {
+        "detector 2 / embedder 2 threads": lambda t: replace(t, detector_threads=2, embedder_threads=2),
+        "detector 1 / embedder 1 threads": lambda t: replace(t, detector_threads=1, embedder_threads=1),
+        "detector 2 / embedder 1 threads": lambda t: replace(t, detector_threads=2, embedder_threads=1),
+    },
+    "instances": {
+        "1 detector, 1 embedder, 1 pipeline": lambda t: replace(
+            t, detector=replace(t.detector, instances=1), embedder=replace(t.embedder, instances=1),
+            pipeline=replace(t.pipeline, instances=1)),
+        "2 detectors": _batching("detector", instances=2),
+        "2 pipelines": _batching("pipeline", instances=2),
+    },
+    "batching": {
+        "pipeline delay 2 ms": _batching("pipeline", queue_delay_us=2000, preferred=(4, 8)),
+        "pipeline delay 0": _batching("pipeline", queue_delay_us=0, preferred=(2, 4, 8)),
+        "pipeline delay 10 ms": _batching("pipeline", queue_delay_us=10000, preferred=(8,)),
+    },
+    "detector size": {
+        "dynamic, max 640": _options(dynamic_input="True"),
+        "fixed 640x640": _options(dynamic_input="False"),
+    },
+    "decode": {
+        "full decode": _options(decode_min_side="0"),
+        "reduced JPEG decode (>= 1280 px)": _options(decode_min_side="1280"),
+    },
+}
+
+
+def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: float, work: Path) -> Trial:
+    models = prepare_default_models(ROOT / "artifacts")
+    with tempfile.TemporaryDirectory(dir=work) as folder:
+        repository = Path(folder) / "cpu"
+        plan = RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=tuning)
+        write_repository(plan, repository, models.detector_file, models.embedder_file)
+        ports = TritonPorts(_free_port(), _free_port(), _free_port())
+        with TritonServer(repository, ports, log_file=work / "tune-tritonserver.log") as server:
+            client = PipelineClient(server.grpc_url)
+            counter = {"i": 0}
+
+            def send() -> object:
+                counter["i"] += 1
+                return client.infer(payloads[counter["i"] % len(payloads)])
+
+            single = closed_loop(send, 1, seconds / 2)
+            loaded = closed_loop(send, 8, seconds)
+            client.close()
+    trial = Trial(name, tuning, single.percentile(50), loaded.percentile(99), loaded.throughput,
+                  single.errors + loaded.errors)
+    log.info("%-40s p50@1 %6.1f ms  p99@8 %7.1f ms  %5.2f img/s  errors %d", name, trial.p50_c1_ms,
+             trial.p99_c8_ms, trial.throughput_c8, trial.errors)
+    return trial
+
+
+def acceptable(trial: Trial, budget_ms: float) -> bool:
+    return trial.errors == 0 and trial.p99_c8_ms <= budget_ms
+
+
+def sweep(start: ProfileTuning, payloads: list[bytes], seconds: float, budget_ms: float, margin: float,
+          work: Path) -> tuple[Trial, list[Trial]]:
+    best = measure(start, "current default", payloads, seconds, work)
+    trials = [best]
+    for dimension, candidates in DIMENSIONS.items():
+        for name, mutate in candidates.items():
+            candidate = mutate(best.tuning)
+            if candidate == best.tuning:
+                continue
+            trial = measure(candidate, f"{dimension}: {name}", payloads, seconds, work)
+            trials.append(trial)
+            better = trial.throughput_c8 > best.throughput_c8 * (1 + margin)
+            if acceptable(trial, budget_ms) and (better or not acceptable(best, budget_ms)):
+                best = trial
+    return best, trials
+
+
+def report(best: Trial, trials: list[Trial], budget_ms: float) -> str:
+    lines = [f"Latency budget: p99 at concurrency 8 <= {budget_ms:.0f} ms. Chosen: **{best.name}**.", "",
+             "| candidate | p50 @1 (ms) | p99 @8 (ms) | images/s @8 | errors |", "|---|---|---|---|---|"]
+    lines += [f"| {t.name} | {t.p50_c1_ms:.1f} | {t.p99_c8_ms:.1f} | {t.throughput_c8:.2f} | {t.errors} |"
+              for t in trials]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-ms", type=float, default=1000.0, help="p99 latency budget at concurrency 8")
+    parser.add_argument("--seconds", type=float, default=8.0, help="measurement time per candidate")
+    parser.add_argument("--margin", type=float, default=0.03, help="improvement needed to keep a change")
+    parser.add_argument("--dry-run", action="store_true", help="measure and report, do not record the winner")
+    parser.add_argument("--report", type=Path, help="also write the Markdown table here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("service.launcher", "export"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    photos = fetch_photos(ROOT / "artifacts" / "downloads", ROOT / "artifacts" / "photos")
+    payloads = [photos[n].read_bytes() for n in ("obama.jpg", "t1.jpg", "obama2.jpg", "biden.jpg")]
+    work = ROOT / "artifacts" / "tune"
+    work.mkdir(parents=True, exist_ok=True)
+    best, trials = sweep(ProfileTuning.default(Profile.CPU), payloads, args.seconds, args.budget_ms,
+                         args.margin, work)
+    text = report(best, trials, args.budget_ms)
+    print(text)
+    if args.report:
+        args.report.write_text(text + "\n")
+    if not args.dry_run:
+        TUNING_DIR.mkdir(parents=True, exist_ok=True)
+        recorded = json.loads(best.tuning.to_json())
+        recorded["note"] = f"chosen by `python -m bench.tune --budget-ms {args.budget_ms:.0f}`: {best.name}"
+        (TUNING_DIR / "cpu.json").write_text(json.dumps(recorded, indent=2) + "\n")
+        models = prepare_default_models(ROOT / "artifacts")
+        plan = RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=best.tuning)
+        write_repository(plan, ROOT / "model_repository" / "cpu", models.detector_file, models.embedder_file)
+        print(f"recorded in {TUNING_DIR / 'cpu.json'} and model_repository/cpu")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
