@@ -1,0 +1,554 @@
+"""README.md is true to the code: a newcomer can follow it top to bottom.
+
+- the configuration table lists exactly the environment variables ``Settings`` accepts, with its defaults;
+- the REST examples run, in the order written, as one strict bash script against a real gateway on the
+  real Triton (any HTTP status >= 400 fails it) and every route they use is in the OpenAPI document;
+- every ``python -m ...`` command exits 0 on ``--help`` and knows the options the README gives it; the
+  gallery, model-export and benchmark commands run (on temporary data, never the repository's);
+- ``make run`` / ``make test`` are what CI runs, the start-up banner is what ``python -m service`` prints,
+  and every relative link and repository path the README names exists.
+
+Commands that write files run in a temporary folder that links the repository's ``.venv``, ``export/``
+and ``artifacts/`` (the README's relative paths resolve as in a checkout), so nothing in the checkout
+changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from export.__main__ import parser as export_parser
+from gallery.__main__ import parser as gallery_parser
+from service.app import create_app
+from service.recognition import confidence
+from service.settings import Settings
+from tests.readme_runner import (
+    ROOT,
+    Command,
+    CurlCall,
+    code_blocks,
+    comment_of,
+    curl_calls,
+    curl_log,
+    curl_script,
+    explain,
+    free_port,
+    logical_lines,
+    openapi_route,
+    prose,
+    python_commands,
+    readme_text,
+    relative_links,
+    run,
+    section,
+    serve,
+    strip_comment,
+    table,
+    unquote_code,
+)
+
+if TYPE_CHECKING:
+    from export.defaults import DefaultModels
+    from service.launcher import TritonServer
+
+ADMIN_KEY = "readme-admin-key-0123456789abcdef"
+REST = "REST API (v1)"
+
+
+def _subcommands(parser: Any) -> set[str]:
+    action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return set(action.choices)
+
+
+SUBCOMMANDS = {"export": _subcommands(export_parser()), "gallery": _subcommands(gallery_parser())}
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return readme_text()
+
+
+def workdir(folder: Path, *links: str) -> Path:
+    """A scratch folder standing in for the checkout: ``links`` point at the repository's own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in links:
+        (folder / name).symlink_to(ROOT / name)
+    return folder
+
+
+def lines_of(text: str, title: str, pattern: str) -> list[str]:
+    """The logical sh lines of section ``title`` that match ``pattern`` (comments kept)."""
+    return [line for block in code_blocks(section(text, title), "sh") for line in logical_lines(block.body)
+            if re.search(pattern, line)]
+
+
+# --- 1. configuration --------------------------------------------------------------------------------
+
+def settings_variables() -> dict[str, object]:
+    """``FACEREC_...`` variable -> the code's default (``...`` when required)."""
+    out: dict[str, object] = {}
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            section_default = None if field.is_required() else field.get_default(call_default_factory=True)
+            for sub, sub_field in annotation.model_fields.items():
+                variable = f"FACEREC_{name.upper()}__{sub.upper()}"
+                if section_default is not None:
+                    out[variable] = getattr(section_default, sub)
+                else:
+                    out[variable] = ... if sub_field.is_required() else sub_field.get_default()
+        else:
+            out[f"FACEREC_{name.upper()}"] = ... if field.is_required() else field.get_default()
+    return out
+
+
+def as_readme_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_configuration_table_is_the_settings(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = table(section(text, "Configuration"))
+    readme = {unquote_code(row["variable"]): unquote_code(row["default"]) for row in rows}
+    assert all(row["meaning"].strip() for row in rows), "a configuration row without a meaning"
+    assert len(readme) == len(rows), "a variable is listed twice"
+    code = settings_variables()
+    assert sorted(readme) == sorted(code), (
+        f"README lists {sorted(set(readme) - set(code))} that Settings ignores and misses "
+        f"{sorted(set(code) - set(readme))}")
+    for variable, default in code.items():
+        if default is ...:
+            assert readme[variable] == "(required)", f"{variable}: required in the code"
+            continue
+        documented = readme[variable].replace("<repo>", str(ROOT))
+        assert documented == as_readme_value(default), (
+            f"{variable}: README default {readme[variable]!r}, code default {as_readme_value(default)!r}")
+    assert readme["FACEREC_SECURITY__ADMIN_KEY"] == "(required)"
+    # The documented variables really are read: one nested and one top-level, from the environment.
+    monkeypatch.setenv("FACEREC_LIMITS__MAX_K", "7")
+    monkeypatch.setenv("FACEREC_LOG_LEVEL", "DEBUG")
+    settings = Settings(security={"admin_key": ADMIN_KEY})
+    assert (settings.limits.max_k, settings.log_level) == (7, "DEBUG")
+
+
+def test_limits_and_scores_prose_matches_the_code(text: str) -> None:
+    limits = Settings(security={"admin_key": ADMIN_KEY}).limits
+    stated = " ".join(section(text, "Limits").split())
+    expected = (f"Request body {limits.max_upload_bytes // 2**20} MiB, "
+                f"{limits.max_pixels // 10**6} megapixels, {limits.max_faces} faces per image, "
+                f"{limits.max_batch_images} images per batch call, "
+                f"top-k ≤ {limits.max_k}, {limits.request_timeout_s:g} s per request")
+    assert expected in stated, f"the Limits section differs from the defaults: expected {expected!r}"
+    assert limits.max_upload_bytes % 2**20 == 0 and limits.max_pixels % 10**6 == 0
+    sface = tomllib.loads((ROOT / "export" / "specs" / "sface_2021dec.toml").read_text())["model"]
+    threshold = sface["match_threshold"]
+    assert f"(SFace: {threshold}," in " ".join(text.split()), "the SFace threshold differs from its spec"
+    words = " ".join(text.split())
+    assert "`confidence` is 0.5 at the threshold and rises to 0.95 at threshold + 0.15" in words
+    assert confidence(threshold, threshold) == 0.5
+    assert abs(confidence(threshold + 0.15, threshold) - 0.95) < 0.005
+
+
+def test_error_codes_exist_in_the_code(text: str) -> None:
+    rows = table(section(text, REST).split("### Errors", 1)[1])
+    codes = {c for row in rows for c in re.findall(r"`([a-z_]+)`", row["codes"])}
+    assert len(codes) >= 20
+    sources = "\n".join(p.read_text() for folder in ("service", "gallery")
+                        for p in (ROOT / folder).rglob("*.py"))
+    missing = sorted(c for c in codes if f'"{c}"' not in sources)
+    assert not missing, f"error codes in the README that the code never returns: {missing}"
+
+
+# --- 2. REST examples ----------------------------------------------------------------------------------
+
+def rest_blocks(text: str) -> list[str]:
+    blocks = [b.body for b in code_blocks(section(text, REST), "sh")]
+    assert len(blocks) >= 8, "the REST section lost its examples"
+    return blocks
+
+
+def test_curl_routes_are_in_the_openapi_document(text: str) -> None:
+    app = create_app(Settings(security={"admin_key": ADMIN_KEY}))  # the schema needs no lifespan
+    paths = app.openapi()["paths"]
+    calls = curl_calls("\n".join(rest_blocks(text)))
+    # ... and the operations named in the prose: `GET /health/live`, `GET /metrics`.
+    calls += [CurlCall(method, path, ()) for method, path in
+              re.findall(r"`(GET|POST|PATCH|PUT|DELETE) (/[^`\s]*)`", prose(text))]
+    assert len(calls) >= 28
+    for call in calls:
+        template = openapi_route(paths, call.path)
+        assert template is not None, f"{call.method} {call.path}: no such route in the OpenAPI document"
+        operation = paths[template].get(call.method.lower())
+        assert operation is not None, f"{call.method} {call.path}: {template} has no {call.method}"
+        parameters = {p["name"] for p in operation.get("parameters", []) if p["in"] == "query"}
+        unknown = set(call.query) - parameters
+        assert not unknown, f"{call.method} {call.path}: query parameters {unknown} not in {template}"
+    # The prose's options: identify's `?threshold=`, enroll's `face=largest` or a `box`.
+    identify = paths["/v1/collections/{collection}/identify"]["post"]
+    assert "`?threshold=`" in text and "threshold" in {p["name"] for p in identify["parameters"]}
+    enroll = paths["/v1/collections/{collection}/identities/{external_id}/faces"]["post"]
+    assert "`face=largest`" in text and "a `box`" in text
+    for content in enroll["requestBody"]["content"].values():
+        fields = content["schema"]["properties"]
+        assert "largest" in fields["face"]["enum"] and "box" in fields, fields
+
+
+@pytest.mark.triton
+def test_curl_examples_run_in_order(
+    text: str, triton: TritonServer, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    # The README's relative paths (data/admin_key, artifacts/photos) as in a checkout after `make run`.
+    cwd = tmp_path / "checkout"
+    (cwd / "artifacts").mkdir(parents=True)
+    (cwd / "artifacts" / "photos").symlink_to(photos["obama.jpg"].parent)
+    (cwd / "data").mkdir()
+    (cwd / "data" / "admin_key").write_text(ADMIN_KEY + "\n")
+    log = tmp_path / "curl.log"
+    log.touch()
+    settings = Settings(security={"admin_key": ADMIN_KEY}, triton={"url": triton.grpc_url},
+                        database={"url": f"sqlite:///{tmp_path / 'gallery.db'}"},
+                        gallery={"snapshot_dir": tmp_path / "index"})
+    blocks = rest_blocks(text)
+    with serve(create_app(settings)) as base:
+        result = run(curl_script(blocks, base), cwd, {"README_CURL_LOG": str(log)}, timeout=120)
+    assert result.returncode == 0, explain(result)
+
+    calls = curl_log(log.read_text())
+    expected = len(curl_calls("\n".join(blocks)))
+    assert len(calls) == expected, f"{len(calls)} curl calls ran, the README has {expected}"
+
+    def response(fragment: str, method: str = "") -> Any:
+        """The JSON response of the first call whose arguments contain ``fragment`` (and ``-X method``;
+        GET: no ``-X``, ``-d`` nor ``-F``)."""
+        def matches(args: str) -> bool:
+            if method == "GET":
+                return not re.search(r"(^| )-[XdF] ", args)
+            return not method or f"-X {method} " in args
+        found = [body for args, body in calls if fragment in args and matches(args)]
+        assert found, f"no {method or 'call'} with {fragment!r} ran"
+        return json.loads(found[0])
+
+    assert response("/v1/collections -H", "POST")["name"] == "staff"
+    assert response("/identities -H", "POST")["metadata"] == {"team": "44"}
+    assert response("/identities/obama -H", "PATCH")["name"] == "Barack H. Obama"
+    assert response("create=true")["identity"]["name"] == "Joe Biden"
+    assert len(response("/identities/obama/faces -H", "GET")) == 2  # obama.jpg, then obama3.jpg as base64
+    identified = response("identify?k=3")["faces"]
+    assert len(identified) == 1 and identified[0]["decision"] == "match", identified
+    assert identified[0]["identity"]["external_id"] == "obama"
+    batch = response("identify/batch")["results"]
+    assert [item["result"] is not None for item in batch] == [True, True], batch
+    assert response("/v1/verify")["same"] is True
+    assert response("/obama/verify")["same"] is True
+    assert len(response("/v1/detect")["faces"]) == 6
+    assert response("/health/ready")["ready"] is True
+    metrics = next(body for args, body in calls if "/metrics" in args)
+    assert re.search(r"^facerec_", metrics, re.M)
+    assert '"decision":"match"' in result.stdout
+    deletes = [body for args, body in calls if "DELETE" in args]
+    assert len(deletes) == 4 and not any(deletes), "the DELETEs answer 204 without a body"
+
+
+# --- 3. other commands ----------------------------------------------------------------------------------
+
+def test_make_targets_are_what_ci_runs(text: str) -> None:
+    first = code_blocks(text)[0].body
+    assert re.search(r"^make run\b", first, re.M) and re.search(r"^make test\b", first, re.M), first
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M), ".ci/run does not run `make test`"
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("run", "test"):
+        assert re.search(rf"^{target}:", makefile, re.M), f"no `{target}` target in the Makefile"
+    # `make run accepts PORT=8080 and TRITON_PORTS="8000 8001 8002"`: the Makefile's defaults, passed on.
+    port = re.search(r"`PORT=(\d+)`", text)
+    ports = re.search(r'`TRITON_PORTS="([\d ]+)"`', text)
+    assert port and ports
+    assert re.search(rf"^PORT \?= {port.group(1)}$", makefile, re.M)
+    assert re.search(rf"^TRITON_PORTS \?= {ports.group(1)}$", makefile, re.M)
+    assert re.search(r"^run:.*\n\t.*-m service --port \$\(PORT\) --triton-ports \$\(TRITON_PORTS\)",
+                     makefile, re.M)
+
+
+#: Commands the README names whose options stand apart from the command (`--latest` to undo ...).
+EXTRA_OPTIONS = {("service", None): {"--triton-url"}, ("export", "pin"): {"--latest"},
+                 ("service.launcher", None): set(), ("export", None): set()}
+
+
+def readme_commands(text: str) -> dict[tuple[str, str | None], set[str]]:
+    commands: dict[tuple[str, str | None], set[str]] = {}
+    for command in python_commands(text, SUBCOMMANDS):
+        commands.setdefault((command.module, command.subcommand), set()).update(command.options)
+    for key, options in EXTRA_OPTIONS.items():
+        commands.setdefault(key, set()).update(options)
+    return commands
+
+
+def test_every_python_command_has_help_with_its_options(text: str) -> None:
+    commands = readme_commands(text)
+    for needed in [("export", "inspect"), ("export", "pin"), ("export", "repository"),
+                   ("gallery", None), ("gallery", "import"), ("service", None), ("bench.pipeline", None),
+                   ("bench.gallery", None), ("bench.enroll", None)]:
+        assert needed in commands, f"the README no longer shows python -m {' '.join(filter(None, needed))}"
+
+    def help_of(key: tuple[str, str | None]) -> subprocess.CompletedProcess[str]:
+        module, sub = key
+        return run([sys.executable, "-m", module, *([sub] if sub else []), "--help"], ROOT, timeout=120)
+
+    with ThreadPoolExecutor(8) as pool:
+        helps = dict(zip(commands, pool.map(help_of, commands), strict=True))
+    for (module, sub), options in commands.items():
+        name = f"python -m {module}{' ' + sub if sub else ''}"
+        result = helps[(module, sub)]
+        assert result.returncode == 0, f"{name} --help: {explain(result)}"
+        missing = sorted(o for o in options - {"--help"} if not re.search(rf"{o}\b", result.stdout))
+        assert not missing, f"{name} --help does not know {missing}:\n{result.stdout}"
+    # The sub-commands the README lists beside `python -m gallery --help` are the real ones.
+    listed = [comment_of(line) for line in lines_of(text, "Gallery", r"-m gallery --help")]
+    assert listed and set(re.split(r",\s*", listed[0])) == SUBCOMMANDS["gallery"], listed
+
+
+@pytest.mark.triton
+def test_gallery_commands_run(
+    text: str, triton: TritonServer, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    """The README's gallery block, line by line as written, on a scratch database and a small people/ tree."""
+    cwd = workdir(tmp_path / "checkout", ".venv")
+    for person, names in {"obama": ["obama.jpg", "obama2.jpg"], "biden": ["biden.jpg"]}.items():
+        (cwd / "people" / person).mkdir(parents=True)
+        for name in names:
+            shutil.copy(photos[name], cwd / "people" / person / name)
+    shutil.copy(photos["obama3.jpg"], cwd / "obama3.jpg")
+    (cwd / "people.csv").write_text("path,external_id,name\nobama3.jpg,obama,Barack Obama\n")
+
+    lines = lines_of(text, "Gallery", r".")
+    assert all("-m gallery " in line for line in lines), lines
+    script = "\n".join(lines)
+    assert "--url 127.0.0.1:8001" in script
+    script = script.replace("--url 127.0.0.1:8001", f"--url {triton.grpc_url}")
+    env = {"FACEREC_DATABASE__URL": f"sqlite:///{tmp_path / 'gallery.db'}",
+           "FACEREC_GALLERY__SNAPSHOT_DIR": str(tmp_path / "index"),
+           "FACEREC_TRITON__URL": triton.grpc_url}  # for the lines that rely on the default --url
+    result = run("set -euo pipefail\nset -x\n" + script, cwd, env, timeout=180)
+    assert result.returncode == 0, explain(result)
+
+    report = (cwd / "import-report.csv").read_text()
+    assert report.count("imported") == 3, report
+    assert "ready: 1" in result.stdout, result.stdout  # the manifest's dry run
+    assert "re-embedded 3 faces of staff" in result.stdout, result.stdout
+    assert list((tmp_path / "index").iterdir()), "rebuild wrote no snapshot"
+
+
+def bring_your_own_embedder(toml_file: Path, onnx_file: Path, default_models: DefaultModels) -> None:
+    """What the user does after `cp arcface_r50_example.toml my_arcface.toml`: set onnx, tensor names,
+    sizes and threshold. Here the "own" model is the default SFace ONNX under another name."""
+    values = tomllib.loads(toml_file.read_text())["model"]
+    sface = default_models.embedder
+    values.update(onnx=str(onnx_file), input_name=sface.input_name, output_names=list(sface.output_names),
+                  mean=list(sface.mean), std=list(sface.std), embedding_dim=sface.embedding_dim,
+                  match_threshold=sface.match_threshold)
+    toml_file.write_text("[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
+
+
+def test_bring_your_own_model_commands_run(text: str, cpu_repository: Path, default_models: DefaultModels,
+                                           tmp_path: Path) -> None:
+    """The README's "your own ArcFace" block in a scratch checkout holding the default CPU repository."""
+    cwd = workdir(tmp_path / "checkout", ".venv", "export", "artifacts")
+    shutil.copytree(cpu_repository, cwd / "model_repository" / "cpu")
+    own = tmp_path / "w600k_r50.onnx"
+    shutil.copy(default_models.embedder_file, own)
+    lines = lines_of(text, "Models", r".")
+    assert lines and any("-m export repository" in line for line in lines), lines
+    script = "\n".join(lines)
+    assert "/path/to/w600k_r50.onnx" in script and "my_arcface.toml" in script
+    script = script.replace("/path/to/w600k_r50.onnx", str(own))
+    # Run up to the copy of the example description, edit it as the user would, then run the rest.
+    head, tail = re.split(r"(?<=my_arcface\.toml)[^\n]*\n", script, maxsplit=1)
+    first = run(f"set -euo pipefail\n{head}", cwd)
+    assert first.returncode == 0, explain(first)
+    assert "input  data" in first.stdout and "output fc1" in first.stdout, first.stdout  # `inspect`
+    bring_your_own_embedder(cwd / "my_arcface.toml", own, default_models)
+    second = run(f"set -euo pipefail\n{tail}", cwd)
+    assert second.returncode == 0, explain(second)
+
+    command = next(strip_comment(line) for line in lines if "-m export repository" in line)
+    out = re.search(r"--out (\S+)", command)
+    version = re.search(r"--version (\d+)", command)
+    assert out, command
+    served = cwd / out.group(1)
+    assert not served.is_symlink() and served.resolve().is_relative_to(cwd.resolve())
+    number = version.group(1) if version else "1"
+    assert (served / "face_embedder" / number / "model.onnx").read_bytes() == own.read_bytes()
+    assert "arcface_r50" in (served / "face_embedder" / "config.pbtxt").read_text()
+
+
+def test_rollout_and_pin_commands_run(text: str, cpu_repository: Path, default_models: DefaultModels,
+                                      tmp_path: Path) -> None:
+    """`Roll out with --version N, roll back with python -m export pin ... --version 1 (and --latest)`."""
+    cwd = tmp_path
+    (cwd / "model_repository").mkdir()
+    shutil.copytree(cpu_repository, cwd / "model_repository" / "cpu")
+    own = tmp_path / "sface_v2.onnx"
+    shutil.copy(default_models.embedder_file, own)
+    spec = tmp_path / "sface_v2.toml"
+    shutil.copy(ROOT / "export" / "specs" / "sface_2021dec.toml", spec)
+    bring_your_own_embedder(spec, own, default_models)
+    detector = tmp_path / "detector.toml"
+    detector.write_text((ROOT / "export" / "specs" / "retinaface_mnet025.toml").read_text()
+                        + f"onnx = {json.dumps(str(default_models.detector_file))}\n")
+    python = [sys.executable, "-m", "export"]
+    rollout = run([*python, "repository", "--profile", "cpu", "--detector", str(detector),
+                   "--embedder", str(spec), "--out", "model_repository/cpu", "--version", "2"], cwd)
+    assert rollout.returncode == 0, explain(rollout)
+
+    pins = [c for c in python_commands(text, SUBCOMMANDS) if (c.module, c.subcommand) == ("export", "pin")]
+    assert pins, "the README no longer shows `python -m export pin`"
+    pin = pins[0].text.split()[2:]  # after `python -m`
+    assert pin[:2] == ["export", "pin"] and "--version" in pin, pin
+    config = cwd / "model_repository" / "cpu" / "face_embedder" / "config.pbtxt"
+    result = run([sys.executable, "-m", *pin], cwd)
+    assert result.returncode == 0, explain(result)
+    assert re.search(r"specific \{\s*versions: 1\s*\}", config.read_text()), config.read_text()
+    latest = [*pin[: pin.index("--version")], "--latest"]
+    result = run([sys.executable, "-m", *latest], cwd)
+    assert result.returncode == 0, explain(result)
+    assert re.search(r"latest \{\s*num_versions: 1\s*\}", config.read_text()), config.read_text()
+
+    # Why the README writes an ArcFace into a repository of its own: other tensors than the SFace
+    # already served cannot be a version beside it.
+    arcface = tmp_path / "arcface.toml"
+    arcface.write_text((ROOT / "export" / "specs" / "arcface_r50_example.toml").read_text()
+                       .replace("/path/to/w600k_r50.onnx", str(own)))
+    refused = run([*python, "repository", "--detector", str(detector), "--embedder", str(arcface),
+                   "--out", "model_repository/cpu", "--version", "3"], cwd)
+    assert refused.returncode != 0 and "needs a new repository" in refused.stderr, explain(refused)
+
+
+@pytest.mark.triton
+def test_bench_pipeline_smoke(text: str, triton: TritonServer, photos: dict[str, Path]) -> None:
+    assert lines_of(text, "Benchmarks", r"-m bench\.pipeline --seconds \d+")
+    result = run([sys.executable, "-m", "bench.pipeline", "--url", triton.grpc_url, "--seconds", "1",
+                  "--concurrency", "1"], ROOT, timeout=120)
+    assert result.returncode == 0, explain(result)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| photo | concurrency | images/s") and len(rows) == 3, result.stdout
+    assert all("| 1 |" in row and row.split("|")[7].strip() == "0" for row in rows[1:]), result.stdout
+
+
+@pytest.mark.triton
+def test_service_prints_the_banner_the_readme_shows(text: str, triton: TritonServer, tmp_path: Path) -> None:
+    """`make run` runs `python -m service`; here with --triton-url (the README's own option) instead of the
+    bundled Triton, and the admin key file in a scratch folder standing for <repo>/data/."""
+    banner = code_blocks(text, "")[0].body
+    assert "API docs:" in banner, banner
+    port = free_port()
+    key_file = tmp_path / "data" / "admin_key"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FACEREC_")}
+    env |= {"FACEREC_DATABASE__URL": f"sqlite:///{tmp_path / 'gallery.db'}",
+            "FACEREC_GALLERY__SNAPSHOT_DIR": str(tmp_path / "index")}
+    output = tmp_path / "service.out"
+    with output.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "--port", str(port), "--triton-url", triton.grpc_url,
+             "--admin-key-file", str(key_file)], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, output.read_text()
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, output.read_text()
+            time.sleep(0.2)
+        key = key_file.read_text().strip()
+        assert len(key) >= 16 and key_file.stat().st_mode & 0o777 == 0o600
+        assert httpx.get(f"{base}/v1/collections", headers={"X-API-Key": key}).status_code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        rc = process.wait(timeout=60)
+    printed = output.read_text()
+    assert rc == 0, printed
+    for line in banner.strip("\n").splitlines():
+        expected = line.replace("<repo>", str(tmp_path)).replace(":8080", f":{port}").rstrip()
+        assert expected in printed.splitlines(), f"README shows {expected!r}; the service printed:\n{printed}"
+
+
+# --- 4. links and paths -------------------------------------------------------------------------------
+
+#: Paths the README names that a checkout has only after `make run` / `make test` or that the user makes.
+GENERATED = ("data/", "artifacts/", "people/", "people.csv", "my_", "import-report.csv", "r50.onnx",
+             "r100.onnx", "model_repository/cpu", "model_repository/gpu", "model_repository/arcface")
+
+
+def test_relative_links_and_named_paths_exist(text: str) -> None:
+    links = relative_links(text)
+    assert {"docs/calibration.md", "docs/deploy.md", "docs/benchmarks/"} <= set(links), links
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+    tops = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} | {".ci"}
+    named = {span for span in re.findall(r"`([^`\s]+)`", prose(text))
+             if "/" in span and span.split("/", 1)[0] in tops and not span.startswith(GENERATED)}
+    assert len(named) >= 10, named
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"README names paths that do not exist: {missing}"
+
+
+def test_readme_helpers_parse_what_they_claim() -> None:
+    """The parsers the tests above rely on, on a small example (a broken parser would pass vacuously)."""
+    sample = ("# T\n## A\n```sh\nBASE=http://x\ncurl -s -X POST \"$BASE/v1/a?k=3\" \\\n  -F x=@y  # c\n"
+              "K=$(curl -s $BASE/v1/b | python3 -c 'x')\n```\n### Sub\n`python -m export pin --model\nm "
+              "--latest` [l](docs/x.md)\n## B\n| variable | default |\n|---|---|\n| `V` | `1` |\n")
+    assert list(code_blocks(sample)) and section(sample, "A").count("```") == 2
+    calls = curl_calls(section(sample, "A"))
+    assert [(c.method, c.path, c.query) for c in calls] == [("POST", "/v1/a", ("k",)), ("GET", "/v1/b", ())]
+    commands: list[Command] = python_commands(sample, SUBCOMMANDS)
+    assert [(c.module, c.subcommand, c.options) for c in commands] == [
+        ("export", "pin", ("--model", "--latest"))]
+    assert table(section(sample, "B")) == [{"variable": "`V`", "default": "`1`"}]
+    assert relative_links(sample) == ["docs/x.md"]
+    script = curl_script([code_blocks(sample)[0].body], "http://y")
+    assert "\nBASE=http://y\n" in script and "BASE=http://x" not in script
+
+
+@pytest.mark.parametrize("line", [
+    "curl -s $BASE/missing",
+    "X=$(curl -s $BASE/missing | python3 -c 'import sys; sys.stdin.read(); print(1)')",
+    "printf '{}' | curl -s -X POST $BASE/missing -d @-",
+    "curl -s $BASE/missing | grep -c detail",
+])
+def test_curl_wrapper_fails_the_script_on_http_errors(line: str, tmp_path: Path) -> None:
+    """An example answered 404 stops the script with the body shown, even with -s, in a command
+    substitution or in a pipe; a 200 goes through."""
+    app = FastAPI()
+
+    @app.get("/ok")
+    def ok() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    log = tmp_path / "curl.log"
+    with serve(app) as base:
+        env = {"README_CURL_LOG": str(log)}
+        good = run(curl_script(["BASE=http://127.0.0.1:8080\ncurl -s $BASE/ok\n"], base), tmp_path, env)
+        script = curl_script([f"BASE=http://127.0.0.1:8080\n{line}\necho NOT-REACHED\n"], base)
+        bad = run(script, tmp_path, env)
+    assert good.returncode == 0 and '{"ok":"yes"}' in good.stdout, explain(good)
+    assert bad.returncode != 0 and "NOT-REACHED" not in bad.stdout, explain(bad)
+    assert '{"detail":"Not Found"}' in bad.stdout + bad.stderr + log.read_text(), explain(bad)
+    assert "404" in bad.stderr, explain(bad)
