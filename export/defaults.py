@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 SPECS = Path(__file__).resolve().parent / "specs"
 #: The largest difference allowed between the shipped int8 SFace and our fp32 conversion.
 SFACE_TOLERANCE = 1e-4
+#: Bumped when the conversion changes, so existing artifacts are converted again (2: PReLU rewrite).
+CONVERTER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ def prepare_default_models(work: Path) -> DefaultModels:
     embedder_file = onnx_dir / "sface_2021dec.fp32.bdyn.112x112.onnx"
     record = onnx_dir / "sface_2021dec.fp32.bdyn.112x112.check.json"
     if not (embedder_file.exists() and record.exists()
-            and json.loads(record.read_text()).get("sha256") == fetch.sha256_of(embedder_file)):
+            and json.loads(record.read_text()).get("sha256") == fetch.sha256_of(embedder_file)
+            and json.loads(record.read_text()).get("converter") == CONVERTER_VERSION):
         convert_sface(sface_int8, embedder_file)
         photos = fetch.fetch_photos(downloads, work / "photos")
         crops = aligned_test_faces(photos, detector, detector_file)
@@ -89,7 +92,8 @@ def prepare_default_models(work: Path) -> DefaultModels:
             raise RuntimeError(
                 f"converted SFace differs by {difference:.2e} (> {SFACE_TOLERANCE}) from the original"
             )
-        record.write_text(json.dumps({"sha256": fetch.sha256_of(embedder_file), "faces": len(crops),
+        record.write_text(json.dumps({"sha256": fetch.sha256_of(embedder_file), "converter": CONVERTER_VERSION,
+                                      "faces": len(crops),
                                       "max_abs_diff": difference, "tolerance": SFACE_TOLERANCE}, indent=2))
     return DefaultModels(
         detector=replace(detector, onnx=str(detector_file), sha256=fetch.sha256_of(detector_file)),

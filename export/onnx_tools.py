@@ -95,9 +95,47 @@ def make_batch_dynamic(model: onnx.ModelProto, name: str = "batch") -> onnx.Mode
     return model
 
 
+def rewrite_prelu(model: onnx.ModelProto) -> onnx.ModelProto:
+    """PRelu(x, a) -> Relu(x) - a * Relu(-x): the same values, computed with ONNX Runtime's fast kernels.
+
+    On CPU, ONNX Runtime's PRelu with a per-channel slope is a slow broadcast and forces NCHWc layout
+    reorders around it: measured on SFace it was half of the whole network's time. The rewrite is
+    exact (slopes of any sign), unlike the common ``Max(x, a * x)`` which needs 0 <= a <= 1.
+    """
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.op_type != "PRelu":
+            nodes.append(node)
+            continue
+        x, slope = node.input
+        y = node.output[0]
+        positive, negated, negative, scaled = (f"{y}__relu", f"{y}__neg", f"{y}__relu_neg", f"{y}__scaled")
+        nodes += [
+            helper.make_node("Relu", [x], [positive], name=f"{node.name}__relu"),
+            helper.make_node("Neg", [x], [negated], name=f"{node.name}__neg"),
+            helper.make_node("Relu", [negated], [negative], name=f"{node.name}__relu_neg"),
+            helper.make_node("Mul", [negative, slope], [scaled], name=f"{node.name}__mul"),
+            helper.make_node("Sub", [positive, scaled], [y], name=f"{node.name}__sub"),
+        ]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
+def optimize_file(source: Path, target: Path) -> Path:
+    """``rewrite_prelu`` on an ONNX file (for user-supplied ArcFace/IResNet embedders, which use PReLU)."""
+    model = rewrite_prelu(onnx.load(str(source)))
+    onnx.checker.check_model(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    onnx.save(model, str(partial))
+    partial.replace(target)
+    return target
+
+
 def convert_sface(source: Path, target: Path) -> Path:
-    """SFace int8 block-quantized (opset 21, batch 1) -> fp32 weights, dynamic batch."""
-    model = make_batch_dynamic(fold_weight_dequantization(onnx.load(str(source))))
+    """SFace int8 block-quantized (opset 21, batch 1) -> fp32 weights, dynamic batch, fast PReLU."""
+    model = rewrite_prelu(make_batch_dynamic(fold_weight_dequantization(onnx.load(str(source)))))
     onnx.checker.check_model(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")

@@ -290,3 +290,26 @@ def test_describe(tmp_path: Path) -> None:
     onnx.save(converted, str(path))
     lines = describe(path).splitlines()
     assert lines[2:] == ["  input  x [batch, 4]", "  output y [batch, 2, 3]"]
+
+
+def test_rewrite_prelu_is_exact_for_any_slope(tmp_path: Path) -> None:
+    from export.onnx_tools import optimize_file, rewrite_prelu
+
+    slope = np.array([-0.8, 0.0, 0.25, 1.0, 1.3], np.float32).reshape(5, 1, 1)
+    graph = helper.make_graph(
+        [helper.make_node("PRelu", ["x", "a"], ["y"], name="act")],
+        "prelu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 5, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 5, 4, 4])],
+        initializer=[numpy_helper.from_array(slope, "a")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=IR_VERSION)
+    path = tmp_path / "prelu.onnx"
+    onnx.save(model, str(path))
+    optimized = optimize_file(path, tmp_path / "fast.onnx")
+    assert "PRelu" not in {n.op_type for n in onnx.load(str(optimized)).graph.node}
+    x = np.random.default_rng(5).normal(size=(3, 5, 4, 4)).astype(np.float32)
+    expected = np.where(x > 0, x, x * slope)
+    got = ort.InferenceSession(str(optimized), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, expected)
+    assert "PRelu" not in {n.op_type for n in rewrite_prelu(model).graph.node}
