@@ -92,8 +92,8 @@ def prepare_default_models(work: Path) -> DefaultModels:
             raise RuntimeError(
                 f"converted SFace differs by {difference:.2e} (> {SFACE_TOLERANCE}) from the original"
             )
-        record.write_text(json.dumps({"sha256": fetch.sha256_of(embedder_file), "converter": CONVERTER_VERSION,
-                                      "faces": len(crops),
+        record.write_text(json.dumps({"sha256": fetch.sha256_of(embedder_file),
+                                      "converter": CONVERTER_VERSION, "faces": len(crops),
                                       "max_abs_diff": difference, "tolerance": SFACE_TOLERANCE}, indent=2))
     return DefaultModels(
         detector=replace(detector, onnx=str(detector_file), sha256=fetch.sha256_of(detector_file)),

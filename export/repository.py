@@ -84,7 +84,9 @@ class ProfileTuning:
     def default(profile: Profile) -> ProfileTuning:
         """The recorded tuning of this profile when there is one, else the built-in choice."""
         recorded = TUNING_DIR / f"{profile.value}.json"
-        return ProfileTuning.from_json(recorded.read_text()) if recorded.exists() else ProfileTuning.builtin(profile)
+        if recorded.exists():
+            return ProfileTuning.from_json(recorded.read_text())
+        return ProfileTuning.builtin(profile)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -93,7 +95,8 @@ class ProfileTuning:
     def from_json(text: str) -> ProfileTuning:
         data = json.loads(text)
         data.pop("note", None)
-        batching = {k: Batching(v["max_batch_size"], tuple(v["preferred"]), v["queue_delay_us"], v["instances"])
+        batching = {k: Batching(v["max_batch_size"], tuple(v["preferred"]), v["queue_delay_us"],
+                                v["instances"])
                     for k, v in data.items() if k in ("detector", "embedder", "pipeline")}
         return ProfileTuning(**{**data, **batching})
 

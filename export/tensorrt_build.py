@@ -28,7 +28,7 @@ UNAVAILABLE_MESSAGE = (
 )
 
 
-class TensorRTUnavailable(RuntimeError):  # noqa: N818 (the name says it all)
+class TensorRTUnavailable(RuntimeError):
     """TensorRT's Python package cannot be imported on this machine."""
 
 

@@ -9,7 +9,7 @@ One detector call covers every image of the batch and one embedder call every fa
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Protocol
 
@@ -98,7 +98,9 @@ class PipelineSettings:
             if f.name in ("detector", "embedder"):
                 values[f.name] = spec_from_dict(json.loads(raw))
             else:
-                kind = {"int": int, "float": float, "str": str, "bool": _parse_bool}[str(f.type)]
+                kinds: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str": str,
+                                                             "bool": _parse_bool}
+                kind = kinds[str(f.type)]
                 try:
                     values[f.name] = kind(raw)
                 except ValueError as exc:
@@ -237,7 +239,8 @@ def run_pipeline(
                    for o, image, size in zip(options, images, original_sizes, strict=True)]
     detections = detect(images, options, settings, detector)
     size = settings.embedder.input_size[0]
-    crops = [align_faces(image, found.landmarks, size) for image, found in zip(images, detections, strict=True)]
+    crops = [align_faces(image, found.landmarks, size)
+             for image, found in zip(images, detections, strict=True)]
     all_crops = np.concatenate(crops) if crops else np.zeros((0, size, size, 3), np.uint8)
     embeddings = embed(all_crops, settings, embedder)
     blur = blur_scores(all_crops)

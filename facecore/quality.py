@@ -59,7 +59,8 @@ class FaceQuality:
             reasons.append(Rejection.FACE_TOO_SMALL)
         if self.blur < limits.min_blur:
             reasons.append(Rejection.TOO_BLURRY)
-        if abs(self.yaw) > limits.max_yaw or abs(self.pitch) > limits.max_pitch or abs(self.roll) > limits.max_roll:
+        if (abs(self.yaw) > limits.max_yaw or abs(self.pitch) > limits.max_pitch
+                or abs(self.roll) > limits.max_roll):
             reasons.append(Rejection.POSE_TOO_FAR)
         if self.detection_score < limits.min_detection_score:
             reasons.append(Rejection.LOW_DETECTION_SCORE)
@@ -86,7 +87,8 @@ def estimate_pose(landmarks: NDArray[np.float32]) -> tuple[float, float, float]:
     return yaw, pitch, roll
 
 
-def assess(box: NDArray[np.float32], landmarks: NDArray[np.float32], blur: float, score: float) -> FaceQuality:
+def assess(box: NDArray[np.float32], landmarks: NDArray[np.float32], blur: float,
+           score: float) -> FaceQuality:
     """Quality measures of one detected face."""
     yaw, pitch, roll = estimate_pose(landmarks)
     size = float(min(box[2] - box[0], box[3] - box[1]))

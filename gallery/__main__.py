@@ -56,12 +56,13 @@ def _create_collection(args: argparse.Namespace) -> int:
     if args.threshold is not None:
         threshold = args.threshold
     info = store.create_collection(args.name, model, dimension, threshold, not args.no_crops)
-    print(f"collection {info.name}: {info.embedding_model}, {info.dimension}-d, threshold {info.match_threshold}")
+    print(f"collection {info.name}: {info.embedding_model}, {info.dimension}-d, "
+          f"threshold {info.match_threshold}")
     return 0
 
 
 def _import(args: argparse.Namespace) -> int:
-    from gallery.importer import ImportOptions, Importer, read_manifest, scan_folder, write_report
+    from gallery.importer import Importer, ImportOptions, read_manifest, scan_folder, write_report
     from service.pipeline_client import AsyncPipelineClient
 
     store = open_store(args.database_url)
@@ -146,7 +147,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="embedding model id (default: ask Triton which model it serves)")
     p.add_argument("--dimension", type=int, default=128)
     p.add_argument("--threshold", type=float, help="match threshold (default: the model's)")
-    p.add_argument("--no-crops", action="store_true", help="do not keep aligned crops (no re-embedding later)")
+    p.add_argument("--no-crops", action="store_true",
+                   help="do not keep aligned crops (no re-embedding later)")
     p.set_defaults(run=_create_collection)
 
     p = sub.add_parser("import", help="import a folder tree (one subfolder per identity) or a CSV manifest")

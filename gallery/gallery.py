@@ -265,7 +265,8 @@ class Gallery:
         info = entry.info
         if embedding_model is not None and embedding_model != info.embedding_model:
             raise ModelMismatch(f"collection {collection!r} holds {info.embedding_model} embeddings, "
-                                f"queries are {embedding_model}", expected=info.embedding_model, got=embedding_model)
+                                f"queries are {embedding_model}",
+                                expected=info.embedding_model, got=embedding_model)
         matrix = validate_embeddings(queries, info.dimension)
         with self._lock:
             best = [self._best_identities(entry, query, k) for query in matrix]

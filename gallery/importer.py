@@ -66,7 +66,7 @@ class ImportOptions:
     concurrency: int = 8
     dry_run: bool = False
     largest_face: bool = False  # with several faces, enroll the largest instead of refusing
-    quality: QualityThresholds = QualityThresholds()
+    quality: QualityThresholds = field(default_factory=QualityThresholds)
 
 
 def scan_folder(root: Path) -> list[ImportItem]:
@@ -124,8 +124,8 @@ def classify(item: ImportItem, digest: str, faces: PipelineFaces, options: Impor
     if faces.crops.shape[0] > chosen:
         ok, png = cv2.imencode(".png", faces.crops[chosen])
         crop = png.tobytes() if ok else None
-    face = NewFace(faces.embeddings[chosen], digest, faces.boxes[chosen].tolist(), float(faces.scores[chosen]),
-                   quality.as_dict(), crop)
+    face = NewFace(faces.embeddings[chosen], digest, faces.boxes[chosen].tolist(),
+                   float(faces.scores[chosen]), quality.as_dict(), crop)
     return ItemResult(item, Status.READY, "", digest, len(faces), face=face)
 
 
@@ -135,7 +135,7 @@ class Importer:
         self._slots = asyncio.Semaphore(options.concurrency)
         self._seen: set[str] = set()
 
-    async def _process(self, item: ImportItem, progress: tqdm) -> ItemResult:  # type: ignore[type-arg]
+    async def _process(self, item: ImportItem, progress: tqdm) -> ItemResult:
         try:
             try:
                 data = await asyncio.to_thread(item.path.read_bytes)
@@ -173,7 +173,7 @@ class Importer:
         for result, face in zip(accepted, stored, strict=True):
             result.status, result.face_id = Status.IMPORTED, face.id
 
-    async def _identity(self, items: list[ImportItem], progress: tqdm) -> list[ItemResult]:  # type: ignore[type-arg]
+    async def _identity(self, items: list[ImportItem], progress: tqdm) -> list[ItemResult]:
         results = list(await asyncio.gather(*(self._process(item, progress) for item in items)))
         await asyncio.to_thread(self._enroll, results)
         return results

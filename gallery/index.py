@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import faiss
 import numpy as np
@@ -74,7 +74,8 @@ def genuine_probes(vectors: Vectors, count: int, similarity: float = 0.75, seed:
 class FaceIndex:
     """A FAISS index with idempotent add/remove and top-k search returning (scores, ids)."""
 
-    def __init__(self, dimension: int, config: IndexConfig | None = None, force_tombstones: bool = False) -> None:
+    def __init__(self, dimension: int, config: IndexConfig | None = None,
+                 force_tombstones: bool = False) -> None:
         self.dimension = dimension
         self.config = config or IndexConfig()
         self.kind = IndexKind.FLAT
@@ -230,7 +231,9 @@ class FaceIndex:
         index.kind, index.nprobe = IndexKind(meta["kind"]), int(meta["nprobe"])
         if index.kind is IndexKind.IVF:
             faiss.extract_index_ivf(cpu).nprobe = index.nprobe
-        stored = faiss.vector_to_array(cpu.id_map) if index.kind is IndexKind.FLAT else _ivf_ids(cpu)
+        # a FLAT snapshot is an IndexIDMap: faiss's stubs type read_index as plain Index (no id_map)
+        stored = (faiss.vector_to_array(cpu.id_map)  # type: ignore[attr-defined]
+                  if index.kind is IndexKind.FLAT else _ivf_ids(cpu))
         index._tombstones = set(int(i) for i in meta.get("tombstones", []))
         index._ids = set(stored.tolist()) - index._tombstones
         if len(index._ids) != int(meta["ids"]):
@@ -270,7 +273,7 @@ def _fsync(path: Path) -> None:
 
 def _ivf_ids(index: Any) -> Ids:
     ivf = faiss.extract_index_ivf(index)
-    invlists = ivf.invlists
+    invlists = cast(faiss.InvertedLists, ivf.invlists)  # always set on an index from read_index
     parts = [faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy()
              for i in range(ivf.nlist) if invlists.list_size(i)]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)

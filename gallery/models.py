@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -52,7 +52,7 @@ class UtcDateTime(TypeDecorator[datetime]):
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON}
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSON}
 
 
 class ChangeOp(StrEnum):
@@ -65,7 +65,7 @@ class Collection(Base):
     """One tenant's gallery: every face in it comes from one embedding model."""
 
     __tablename__ = "collections"
-    __table_args__ = {"sqlite_autoincrement": True}  # ids are never reused (replicas may lag)
+    __table_args__ = ({"sqlite_autoincrement": True},)  # ids are never reused (replicas may lag)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
@@ -128,7 +128,7 @@ class FaceChange(Base):
     """Append-only log of index changes, in commit order (``seq``)."""
 
     __tablename__ = "face_changes"
-    __table_args__ = {"sqlite_autoincrement": True}
+    __table_args__ = ({"sqlite_autoincrement": True},)
 
     seq: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     collection_id: Mapped[int] = mapped_column(BigInteger, index=True)  # no FK: outlives the collection
@@ -142,7 +142,7 @@ class ApiKey(Base):
     """A per-collection API key. Only a SHA-256 of the secret is stored; revoked keys stay for audit."""
 
     __tablename__ = "api_keys"
-    __table_args__ = {"sqlite_autoincrement": True}
+    __table_args__ = ({"sqlite_autoincrement": True},)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     collection_id: Mapped[int] = mapped_column(ForeignKey("collections.id", ondelete="CASCADE"), index=True)

@@ -8,6 +8,7 @@ rebuilds the collection from the database. Refused when any face has no stored c
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import cv2
 import numpy as np
@@ -49,18 +50,21 @@ def reembed_collection(store: GalleryStore, collection: str, client: grpcclient.
         missing = session.scalar(select(func.count()).where(Face.collection_id == owner.id,
                                                             Face.crop.is_(None))) or 0
         if missing:
-            raise CropsMissing(f"{missing} face(s) of {collection!r} have no stored crop: re-embedding needs the "
-                               "aligned crops (collections created with keep_crops=false cannot be re-embedded; "
-                               "re-import the images instead)", faces_without_crop=int(missing))
+            raise CropsMissing(f"{missing} face(s) of {collection!r} have no stored crop: re-embedding "
+                               "needs the aligned crops (collections created with keep_crops=false cannot "
+                               "be re-embedded; re-import the images instead)",
+                               faces_without_crop=int(missing))
         rows = session.execute(select(Face.id, Face.crop).where(Face.collection_id == owner.id)
                                .order_by(Face.id)).all()
     ids = [r[0] for r in rows]
-    crops = np.stack([cv2.imdecode(np.frombuffer(r[1], np.uint8), cv2.IMREAD_COLOR) for r in rows]) if rows \
-        else np.zeros((0, 112, 112, 3), np.uint8)
+    # no crop is NULL (checked above); IMREAD_COLOR always decodes to 8-bit BGR
+    decoded = [cv2.imdecode(np.frombuffer(cast(bytes, r[1]), np.uint8), cv2.IMREAD_COLOR) for r in rows]
+    crops = cast(NDArray[np.uint8], np.stack(decoded)) if rows else np.zeros((0, 112, 112, 3), np.uint8)
     vectors = embed_crops(client, spec, crops)
     with store.db.write() as session:
         owner = session.scalar(select(Collection).where(Collection.name == collection))
-        current = set(session.scalars(select(Face.id).where(Face.collection_id == owner.id))) if owner else set()
+        current = (set(session.scalars(select(Face.id).where(Face.collection_id == owner.id)))
+                   if owner else set())
         if owner is None or current != set(ids):
             raise Conflict(f"collection {collection!r} changed during re-embedding; run it again")
         session.execute(update(Face), [{"id": face_id, "embedding": encode_vector(vector),

@@ -167,14 +167,16 @@ class GalleryStore:
 
     def get_identity(self, collection: str, external_id: str) -> IdentityInfo:
         with self.db.read() as session:
-            return _identity_info(self._identity(session, self._collection(session, collection).id, external_id))
+            owner = self._collection(session, collection)
+            return _identity_info(self._identity(session, owner.id, external_id))
 
     def list_identities(self, collection: str, offset: int = 0, limit: int = 50,
                         name_contains: str | None = None) -> tuple[list[IdentityInfo], int]:
         with self.db.read() as session:
             query = select(Identity).where(Identity.collection_id == self._collection(session, collection).id)
             if name_contains:
-                query = query.where(func.lower(Identity.name).contains(name_contains.lower(), autoescape=True))
+                query = query.where(
+                    func.lower(Identity.name).contains(name_contains.lower(), autoescape=True))
             total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
             rows = session.scalars(query.order_by(Identity.id).offset(offset).limit(limit))
             return [_identity_info(r) for r in rows], int(total)
@@ -211,7 +213,8 @@ class GalleryStore:
             owner = self._collection(session, collection)
             if embedding_model != owner.embedding_model:
                 raise ModelMismatch(
-                    f"collection {collection!r} holds {owner.embedding_model} embeddings, not {embedding_model}",
+                    f"collection {collection!r} holds {owner.embedding_model} embeddings, "
+                    f"not {embedding_model}",
                     expected=owner.embedding_model, got=embedding_model)
             vectors = validate_embeddings([f.embedding for f in faces], owner.dimension)
             identity = session.scalar(select(Identity).where(Identity.collection_id == owner.id,
@@ -266,7 +269,8 @@ class GalleryStore:
 
     def changes_since(self, seq: int, limit: int = 10_000) -> list[Change]:
         with self.db.read() as session:
-            rows = session.scalars(select(FaceChange).where(FaceChange.seq > seq).order_by(FaceChange.seq).limit(limit))
+            rows = session.scalars(select(FaceChange).where(FaceChange.seq > seq)
+                                   .order_by(FaceChange.seq).limit(limit))
             return [Change(r.seq, r.collection_id, r.face_id, r.identity_id, ChangeOp(r.op)) for r in rows]
 
     def last_seq(self) -> int:
@@ -279,7 +283,8 @@ class GalleryStore:
         with self.db.read() as session:
             for start in range(0, len(face_ids), 5000):
                 chunk = face_ids[start : start + 5000]
-                for face_id, blob in session.execute(select(Face.id, Face.embedding).where(Face.id.in_(chunk))):
+                query = select(Face.id, Face.embedding).where(Face.id.in_(chunk))
+                for face_id, blob in session.execute(query):
                     found[face_id] = decode_vector(blob, dimension)
         return found
 

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--triton-url", help="use this running Triton (gRPC host:port) instead of the bundled one")
+    parser.add_argument("--triton-url",
+                        help="use this running Triton (gRPC host:port) instead of the bundled one")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository" / "cpu")
     parser.add_argument("--triton-ports", type=int, nargs=3, default=[8000, 8001, 8002],
                         metavar=("HTTP", "GRPC", "METRICS"), help="ports of the bundled Triton")
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             triton_url = server.grpc_url
         os.environ["FACEREC_TRITON__URL"] = triton_url
-        settings = Settings()  # type: ignore[call-arg]  # the admin key comes from the environment
+        settings = Settings()  # the admin key comes from the environment
         base = f"http://{args.host}:{args.port}"
         where = "FACEREC_SECURITY__ADMIN_KEY" if from_env else str(args.admin_key_file)
         print(f"\n  API docs:  {base}/docs\n  admin key: in {where}"

@@ -34,7 +34,8 @@ class ApiError(Exception):
     status = 400
     code = "bad_request"
 
-    def __init__(self, message: str, code: str | None = None, status: int | None = None, **details: Any) -> None:
+    def __init__(self, message: str, code: str | None = None, status: int | None = None,
+                 **details: Any) -> None:
         super().__init__(message)
         self.message = message
         self.details = details

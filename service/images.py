@@ -92,13 +92,16 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
     elif content_type == "application/json":
         try:
             body = json_model.model_validate(json.loads(await request.body()))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
+        # RecursionError: deep nesting
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ApiError("the body is not valid JSON", code="invalid_json") from exc
         except ValidationError as exc:
             details = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
-            raise ApiError("the request is not valid", code="validation_error", status=422, errors=details) from exc
+            raise ApiError("the request is not valid", code="validation_error", status=422,
+                           errors=details) from exc
         data = body.model_dump()
-        encoded = [v for f in fields if f in data for v in (data[f] if isinstance(data[f], list) else [data[f]])]
+        encoded = [v for f in fields if f in data
+                   for v in (data[f] if isinstance(data[f], list) else [data[f]])]
         labels = [f for f in fields if f in data for _ in (data[f] if isinstance(data[f], list) else [0])]
         images = [decode_base64(v, label) for v, label in zip(encoded, labels, strict=True)]
         others = {k: v for k, v in data.items() if k not in fields}
@@ -107,7 +110,8 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
     if not images:
         raise ApiError(f"no image: send the {' / '.join(fields)} field", code="missing_image")
     if len(images) > max_images:
-        raise PayloadTooLarge(f"{len(images)} images; at most {max_images} per request", code="too_many_images")
+        raise PayloadTooLarge(f"{len(images)} images; at most {max_images} per request",
+                              code="too_many_images")
     if check:
         images = [check_image(d, max_pixels, label) for d, label in zip(images, labels, strict=True)]
     return Uploaded(images, others)

@@ -2,8 +2,8 @@
 
 The wheel carries a complete tritonserver 2.51 with the Python backend only. This module prepares
 what the binary needs (the Python-backend stub for this interpreter, the virtualenv first on PATH so
-the stub finds numpy, libpython on LD_LIBRARY_PATH), binds to 127.0.0.1 (``--host`` to change) and uses a per-run
-shared-memory prefix so that stopping it removes exactly its own ``/dev/shm`` files.
+the stub finds numpy, libpython on LD_LIBRARY_PATH), binds to 127.0.0.1 (``--host`` to change) and
+uses a per-run shared-memory prefix so that stopping it removes exactly its own ``/dev/shm`` files.
 
     python -m service.launcher --model-repository model_repository/cpu
 """
@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig

@@ -20,7 +20,8 @@ def _inline(schema: Any, defs: dict[str, Any]) -> Any:
     return schema
 
 
-def image_body(json_model: type[BaseModel], files: dict[str, bool], fields: dict[str, dict[str, Any]] | None = None,
+def image_body(json_model: type[BaseModel], files: dict[str, bool],
+               fields: dict[str, dict[str, Any]] | None = None,
                example: dict[str, Any] | None = None) -> dict[str, Any]:
     """``openapi_extra`` for a body of files (name -> several allowed) plus form fields, or JSON."""
     json_schema = json_model.model_json_schema()
@@ -32,6 +33,8 @@ def image_body(json_model: type[BaseModel], files: dict[str, bool], fields: dict
     if example:
         json_content["example"] = example
     return {"requestBody": {"required": True, "content": {
-        "multipart/form-data": {"schema": {"type": "object", "properties": properties, "required": list(files)}},
+        "multipart/form-data": {
+            "schema": {"type": "object", "properties": properties, "required": list(files)},
+        },
         "application/json": json_content,
     }}}

@@ -11,12 +11,13 @@ import time
 
 import cv2
 import numpy as np
+from numpy.typing import NDArray
 
 from facecore.quality import QualityThresholds, assess
 from facecore.spec import ModelSpec
 from gallery.gallery import Candidate as GalleryCandidate
 from gallery.gallery import Gallery
-from gallery.store import GalleryStore, NewFace
+from gallery.store import FaceInfo, GalleryStore, NewFace
 from service import schemas
 from service.errors import Unavailable, Unprocessable
 from service.metrics import Metrics
@@ -47,7 +48,7 @@ def detected_face(faces: PipelineFaces, i: int) -> schemas.DetectedFace:
     )
 
 
-def _box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _box_iou(a: NDArray[np.float32], b: NDArray[np.float32]) -> NDArray[np.float64]:
     x1, y1 = np.maximum(a[0], b[:, 0]), np.maximum(a[1], b[:, 1])
     x2, y2 = np.minimum(a[2], b[:, 2]), np.minimum(a[3], b[:, 3])
     inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
@@ -72,7 +73,8 @@ class FaceService:
             try:
                 self._embedder = await self.pipeline.embedder()
             except PipelineError as exc:
-                raise Unavailable(f"the inference server is unavailable: {exc}", code="triton_unavailable") from exc
+                raise Unavailable(f"the inference server is unavailable: {exc}",
+                                  code="triton_unavailable") from exc
         return self._embedder
 
     async def analyze(self, data: bytes, crops: bool = False) -> PipelineFaces:
@@ -97,8 +99,8 @@ class FaceService:
         info = await asyncio.to_thread(self.gallery.require_model, collection, spec.name)
         faces = await self.analyze(data)
         limit = info.match_threshold if threshold is None else threshold
-        results = await asyncio.to_thread(self.gallery.search, collection, faces.embeddings, min(k, self.max_k),
-                                          limit, spec.name) if len(faces) else []
+        results = await asyncio.to_thread(self.gallery.search, collection, faces.embeddings,
+                                          min(k, self.max_k), limit, spec.name) if len(faces) else []
         out = []
         for i, result in enumerate(results):
             face = detected_face(faces, i)
@@ -118,12 +120,12 @@ class FaceService:
         if box is not None:
             overlaps = _box_iou(np.asarray(box, np.float32), faces.boxes)
             if overlaps.max() < 0.3:
-                raise Unprocessable(f"{label}: no detected face overlaps the given box", code="no_face_in_box",
-                                    image=index, boxes=faces.boxes.round(1).tolist())
+                raise Unprocessable(f"{label}: no detected face overlaps the given box",
+                                    code="no_face_in_box", image=index, boxes=faces.boxes.round(1).tolist())
             return int(np.argmax(overlaps))
         if len(faces) > 1 and choice is schemas.FaceChoice.ONLY:
-            raise Unprocessable(f"{label}: {len(faces)} faces; pass face=largest or a box", code="several_faces",
-                                image=index, boxes=faces.boxes.round(1).tolist())
+            raise Unprocessable(f"{label}: {len(faces)} faces; pass face=largest or a box",
+                                code="several_faces", image=index, boxes=faces.boxes.round(1).tolist())
         return 0 if len(faces) == 1 else largest(faces)
 
     async def enroll(self, collection: str, external_id: str, images: list[bytes], choice: schemas.FaceChoice,
@@ -140,12 +142,14 @@ class FaceService:
                              float(faces.scores[chosen]))
             reasons = quality.rejections(self.quality)
             if reasons:
-                raise Unprocessable(f"images[{index}]: face refused: {', '.join(reasons)}", code="low_quality",
-                                    image=index, reasons=[r.value for r in reasons], quality=quality.as_dict())
-            ok, png = cv2.imencode(".png", faces.crops[chosen]) if len(faces.crops) > chosen else (False, None)
-            new_faces.append(NewFace(faces.embeddings[chosen], image_sha256(data), faces.boxes[chosen].tolist(),
-                                     float(faces.scores[chosen]), quality.as_dict(),
-                                     png.tobytes() if ok and png is not None else None))
+                raise Unprocessable(f"images[{index}]: face refused: {', '.join(reasons)}",
+                                    code="low_quality", image=index, reasons=[r.value for r in reasons],
+                                    quality=quality.as_dict())
+            ok, png = (cv2.imencode(".png", faces.crops[chosen]) if len(faces.crops) > chosen
+                       else (False, None))
+            new_faces.append(NewFace(faces.embeddings[chosen], image_sha256(data),
+                                     faces.boxes[chosen].tolist(), float(faces.scores[chosen]),
+                                     quality.as_dict(), png.tobytes() if ok and png is not None else None))
         identity, stored = await asyncio.to_thread(self.store.add_faces, collection, external_id, new_faces,
                                                    spec.name, create)
         await asyncio.to_thread(self.gallery.sync)
@@ -162,8 +166,9 @@ class FaceService:
         (fa, ia), (fb, ib) = await asyncio.gather(self._one_face(a, "image_a"), self._one_face(b, "image_b"))
         score = float(fa.embeddings[ia] @ fb.embeddings[ib])
         limit = spec.match_threshold if threshold is None else threshold
-        return schemas.VerifyResponse(score=round(score, 6), confidence=confidence(score, limit), threshold=limit,
-                                      same=score >= limit, face_a=detected_face(fa, ia), face_b=detected_face(fb, ib))
+        return schemas.VerifyResponse(score=round(score, 6), confidence=confidence(score, limit),
+                                      threshold=limit, same=score >= limit, face_a=detected_face(fa, ia),
+                                      face_b=detected_face(fb, ib))
 
     async def verify_identity(self, collection: str, external_id: str, data: bytes, threshold: float | None
                               ) -> schemas.VerifyResponse:
@@ -173,19 +178,21 @@ class FaceService:
         faces, index = await self._one_face(data, "image")
         enrolled = await asyncio.to_thread(self.store.identity_vectors, collection, external_id)
         if len(enrolled) == 0:
-            raise Unprocessable(f"identity {identity.external_id!r} has no enrolled face", code="no_enrolled_face")
+            raise Unprocessable(f"identity {identity.external_id!r} has no enrolled face",
+                                code="no_enrolled_face")
         score = float(np.max(enrolled @ faces.embeddings[index]))
         limit = info.match_threshold if threshold is None else threshold
-        return schemas.VerifyResponse(score=round(score, 6), confidence=confidence(score, limit), threshold=limit,
-                                      same=score >= limit, face_a=detected_face(faces, index))
+        return schemas.VerifyResponse(score=round(score, 6), confidence=confidence(score, limit),
+                                      threshold=limit, same=score >= limit,
+                                      face_a=detected_face(faces, index))
 
 
 def identity_out(info: object) -> schemas.IdentityOut:
     return schemas.IdentityOut.model_validate(info, from_attributes=True)
 
 
-def face_out(info: object) -> schemas.FaceOut:
-    data = {name: getattr(info, name) for name in ("id", "image_sha256", "detection_score", "quality", "has_crop",
-                                                   "created_at")}
-    box = getattr(info, "box")
+def face_out(info: FaceInfo) -> schemas.FaceOut:
+    data = {name: getattr(info, name)
+            for name in ("id", "image_sha256", "detection_score", "quality", "has_crop", "created_at")}
+    box = info.box
     return schemas.FaceOut(box=schemas.Box(x1=box[0], y1=box[1], x2=box[2], y2=box[3]), **data)

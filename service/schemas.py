@@ -11,9 +11,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                             examples=["employees"])]
-ExternalId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^/\s][^/]*$", examples=["emp-0042"])]
-Base64Image = Annotated[str, Field(min_length=1, description="JPEG, PNG, WebP or BMP bytes, base64 (a data: URI "
-                                                             "prefix is accepted)")]
+ExternalId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^/\s][^/]*$",
+                                  examples=["emp-0042"])]
+Base64Image = Annotated[str, Field(min_length=1,
+                                   description="JPEG, PNG, WebP or BMP bytes, base64 (a data: URI "
+                                               "prefix is accepted)")]
 
 
 #: Metadata nested deeper than this is refused (deeper values were stored, then could not be serialized:
@@ -156,7 +158,8 @@ class FaceChoice(StrEnum):
 class EnrollJson(BaseModel):
     images: list[Base64Image] = Field(min_length=1)
     face: FaceChoice = FaceChoice.ONLY
-    box: list[float] | None = Field(None, min_length=4, max_length=4, description="x1,y1,x2,y2: the face to take")
+    box: list[float] | None = Field(None, min_length=4, max_length=4,
+                                    description="x1,y1,x2,y2: the face to take")
 
 
 class EnrollResponse(BaseModel):

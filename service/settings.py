@@ -26,7 +26,8 @@ class DatabaseSettings(BaseModel):
 
 
 class GallerySettings(BaseModel):
-    snapshot_dir: Path | None = Field(ROOT / "data" / "index", description="FAISS snapshots (none: no snapshots)")
+    snapshot_dir: Path | None = Field(ROOT / "data" / "index",
+                                      description="FAISS snapshots (none: no snapshots)")
     follow_interval_s: float = Field(0.2, gt=0, description="change-log polling period (replicas)")
     exact_max: int = Field(200_000, ge=0, description="faces above which an IVF index is tried")
     snapshot_interval_s: float = Field(300.0, gt=0, description="how often indexes are snapshotted")

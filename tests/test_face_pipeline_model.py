@@ -185,8 +185,8 @@ def test_onnx_model_merges_requests_of_the_same_shape(
 
 
 def test_reduced_decode_reports_original_pixels(
-    fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels, photo_bytes: dict[str, bytes],
-    pipeline_model: object,
+    fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels,
+    photo_bytes: dict[str, bytes], pipeline_model: object,
 ) -> None:
     """decode_min_side decodes big JPEGs at 1/2..1/8 scale; boxes still come back in original pixels."""
     full = pipeline_model.execute([request(photo_bytes["obama3.jpg"])])[0]  # type: ignore[attr-defined]

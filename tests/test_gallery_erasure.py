@@ -27,7 +27,8 @@ def enroll(store: GalleryStore, collection: str, people: list[str], rng: np.rand
 
 
 @pytest.mark.parametrize("tombstones", [False, True], ids=["remove_ids", "tombstones(gpu path)"])
-def test_erased_vectors_leave_the_snapshot_files(store: GalleryStore, tmp_path: Path, tombstones: bool) -> None:
+def test_erased_vectors_leave_the_snapshot_files(store: GalleryStore, tmp_path: Path,
+                                                  tombstones: bool) -> None:
     rng = np.random.default_rng(0)
     store.create_collection("c", "m", DIM, 0.5)
     enroll(store, "c", ["alice", "bob"], rng)
@@ -36,7 +37,8 @@ def test_erased_vectors_leave_the_snapshot_files(store: GalleryStore, tmp_path: 
     (path,) = gallery.snapshot()
     erased = set(store.delete_identity("c", "alice"))
     gallery.sync()
-    assert erased & FaceIndex.load(path)[0].ids == erased, "before the erasure snapshot the file still has them"
+    assert erased & FaceIndex.load(path)[0].ids == erased, \
+        "before the erasure snapshot the file still has them"
     assert gallery.snapshot_erasures() == [path]
     on_disk, meta = FaceIndex.load(path)
     assert not (erased & on_disk.ids) and meta["tombstones"] == []
@@ -56,7 +58,8 @@ def test_dropped_collection_files_are_removed(store: GalleryStore, tmp_path: Pat
     gallery.sync()
     gallery.snapshot_erasures()
     assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == [
-        f"collection-{store.get_collection('keep').id}.faiss", f"collection-{store.get_collection('keep').id}.json"]
+        f"collection-{store.get_collection('keep').id}.faiss",
+        f"collection-{store.get_collection('keep').id}.json"]
 
 
 def test_an_index_file_paired_with_other_metadata_is_rejected(store: GalleryStore, tmp_path: Path,

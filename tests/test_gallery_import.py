@@ -19,7 +19,7 @@ from gallery.__main__ import main as gallery_main
 from gallery.db import Database, create_db_engine, migrate
 from gallery.errors import CropsMissing, ModelMismatch
 from gallery.gallery import Gallery
-from gallery.importer import ImportOptions, Importer, Status, read_manifest, scan_folder
+from gallery.importer import Importer, ImportOptions, Status, read_manifest, scan_folder
 from gallery.reembed import reembed_collection
 from gallery.store import GalleryStore
 from service.launcher import TritonServer
@@ -73,7 +73,8 @@ def create_people(store: GalleryStore, triton: TritonServer, keep_crops: bool = 
     store.create_collection("people", spec.name, spec.embedding_dim, spec.match_threshold, keep_crops)
 
 
-def test_folder_import_statuses_resume_and_search(store: GalleryStore, triton: TritonServer, folder: Path) -> None:
+def test_folder_import_statuses_resume_and_search(store: GalleryStore, triton: TritonServer,
+                                                   folder: Path) -> None:
     create_people(store, triton)
     follower = Gallery(store)  # like a running gateway: it only follows the change log
     follower.load()
@@ -90,7 +91,8 @@ def test_folder_import_statuses_resume_and_search(store: GalleryStore, triton: T
     group = next(r for r in results if r.item.path.name == "t1.jpg")
     assert group.faces == 6 and group.detail.count(";") == 5  # lists the six boxes
     again = run_import(store, triton, scan_folder(folder))
-    assert {s for name, s in statuses(again).items() if name.endswith(("obama.jpg", "biden.jpg"))} == {"duplicate"}
+    assert {s for name, s in statuses(again).items()
+            if name.endswith(("obama.jpg", "biden.jpg"))} == {"duplicate"}
     gallery = Gallery(store)
     gallery.load()
     assert gallery.size("people") == 4
@@ -99,7 +101,8 @@ def test_folder_import_statuses_resume_and_search(store: GalleryStore, triton: T
     assert result.match is not None and result.match.external_id == "obama"
 
 
-def test_largest_face_option_and_quality_gate(store: GalleryStore, triton: TritonServer, folder: Path) -> None:
+def test_largest_face_option_and_quality_gate(store: GalleryStore, triton: TritonServer,
+                                              folder: Path) -> None:
     create_people(store, triton)
     items = [i for i in scan_folder(folder) if i.external_id == "group"]
     (result,) = run_import(store, triton, items, largest_face=True)
@@ -150,8 +153,9 @@ def test_manifest_cli_report_and_reembed(store: GalleryStore, triton: TritonServ
     assert len(read_manifest(manifest)) == 2
     url = str(store.db.engine.url)
     report = tmp_path / "report.json"
-    code = gallery_main(["--database-url", url, "import", "--collection", "people", "--manifest", str(manifest),
-                         "--url", triton.grpc_url, "--create-collection", "--report", str(report), "-q"])
+    code = gallery_main(["--database-url", url, "import", "--collection", "people",
+                         "--manifest", str(manifest), "--url", triton.grpc_url, "--create-collection",
+                         "--report", str(report), "-q"])
     assert code == 0
     rows = json.loads(report.read_text())
     assert [(r["external_id"], r["status"]) for r in rows] == [("p-1", "imported"), ("p-2", "imported")]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 from typing import Annotated
 
 from fastapi import APIRouter, Path, status
@@ -16,9 +15,9 @@ router = APIRouter(prefix="/v1/collections", tags=["collections"])
 
 
 def collection_out(info: CollectionInfo, faces: int) -> schemas.CollectionOut:
-    return schemas.CollectionOut(name=info.name, embedding_model=info.embedding_model, dimension=info.dimension,
-                                 match_threshold=info.match_threshold, keep_crops=info.keep_crops, faces=faces,
-                                 created_at=info.created_at)
+    return schemas.CollectionOut(name=info.name, embedding_model=info.embedding_model,
+                                 dimension=info.dimension, match_threshold=info.match_threshold,
+                                 keep_crops=info.keep_crops, faces=faces, created_at=info.created_at)
 
 
 @router.post("", response_model=schemas.CollectionOut, status_code=status.HTTP_201_CREATED,
@@ -27,8 +26,8 @@ async def create_collection(body: schemas.CollectionCreate, _: AdminDep, service
                             store: StoreDep) -> schemas.CollectionOut:
     spec = await service.embedder()
     threshold = spec.match_threshold if body.match_threshold is None else body.match_threshold
-    info = await asyncio.to_thread(store.create_collection, body.name, spec.name, spec.embedding_dim, threshold,
-                                   body.keep_crops)
+    info = await asyncio.to_thread(store.create_collection, body.name, spec.name, spec.embedding_dim,
+                                   threshold, body.keep_crops)
     return collection_out(info, 0)
 
 
@@ -55,7 +54,8 @@ async def delete_collection(collection: str, _: AdminDep, store: StoreDep, galle
 
 @router.post("/{collection}/keys", response_model=schemas.KeyCreated, status_code=status.HTTP_201_CREATED,
              summary="Create an API key for this collection (the secret is shown once)")
-async def create_key(collection: str, body: schemas.KeyCreate, _: AdminDep, keys: KeysDep) -> schemas.KeyCreated:
+async def create_key(collection: str, body: schemas.KeyCreate, _: AdminDep,
+                     keys: KeysDep) -> schemas.KeyCreated:
     key, info = await asyncio.to_thread(keys.create, collection, body.label)
     return schemas.KeyCreated(key=key, id=info.id, prefix=info.prefix, label=info.label,
                               created_at=info.created_at, revoked_at=None)
@@ -68,5 +68,6 @@ async def list_keys(collection: str, _: AdminDep, keys: KeysDep) -> list[schemas
 
 
 @router.delete("/{collection}/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Revoke a key")
-async def revoke_key(collection: str, key_id: Annotated[int, Path(ge=1, le=2**63 - 1)], _: AdminDep, keys: KeysDep) -> None:
+async def revoke_key(collection: str, key_id: Annotated[int, Path(ge=1, le=2**63 - 1)], _: AdminDep,
+                     keys: KeysDep) -> None:
     await asyncio.to_thread(keys.revoke, collection, key_id)

@@ -19,7 +19,8 @@ async def live() -> Liveness:
     return Liveness()
 
 
-@router.get("/health/ready", response_model=Readiness, summary="Triton models, database and gallery are ready",
+@router.get("/health/ready", response_model=Readiness,
+            summary="Triton models, database and gallery are ready",
             responses={503: {"model": Readiness}})
 async def ready(service: ServiceDep, store: StoreDep, gallery: GalleryDep) -> JSONResponse:
     triton, database = await asyncio.gather(service.pipeline.ready(), asyncio.to_thread(store.db.ping))

@@ -20,7 +20,8 @@ router = APIRouter(prefix="/v1/collections/{collection}", tags=["identities"])
 ENROLL_BODY = image_body(
     schemas.EnrollJson, {"images": True},
     {"face": {"type": "string", "enum": ["only", "largest"], "default": "only"},
-     "box": {"type": "string", "description": "x1,y1,x2,y2 of the face to enroll", "example": "120,80,260,240"}},
+     "box": {"type": "string", "description": "x1,y1,x2,y2 of the face to enroll",
+             "example": "120,80,260,240"}},
     example={"images": ["<base64 JPEG>"], "face": "only"},
 )
 
@@ -29,7 +30,8 @@ ENROLL_BODY = image_body(
              summary="Create an identity")
 async def create_identity(collection: str, body: schemas.IdentityCreate, _: CollectionAccessDep,
                           store: StoreDep) -> schemas.IdentityOut:
-    info = await asyncio.to_thread(store.create_identity, collection, body.external_id, body.name, body.metadata)
+    info = await asyncio.to_thread(store.create_identity, collection, body.external_id, body.name,
+                                   body.metadata)
     return identity_out(info)
 
 
@@ -41,7 +43,8 @@ async def list_identities(
     name: Annotated[str | None, Query(max_length=256, description="case-insensitive substring")] = None,
 ) -> schemas.IdentityPage:
     items, total = await asyncio.to_thread(store.list_identities, collection, offset, limit, name)
-    return schemas.IdentityPage(items=[identity_out(i) for i in items], total=total, offset=offset, limit=limit)
+    return schemas.IdentityPage(items=[identity_out(i) for i in items], total=total, offset=offset,
+                                limit=limit)
 
 
 @router.get("/identities/{external_id}", response_model=schemas.IdentityOut, summary="Get an identity")
@@ -51,8 +54,8 @@ async def get_identity(collection: str, external_id: str, _: CollectionAccessDep
 
 
 @router.patch("/identities/{external_id}", response_model=schemas.IdentityOut, summary="Update name/metadata")
-async def update_identity(collection: str, external_id: str, body: schemas.IdentityUpdate, _: CollectionAccessDep,
-                          store: StoreDep) -> schemas.IdentityOut:
+async def update_identity(collection: str, external_id: str, body: schemas.IdentityUpdate,
+                          _: CollectionAccessDep, store: StoreDep) -> schemas.IdentityOut:
     info = await asyncio.to_thread(store.update_identity, collection, external_id, body.name, body.metadata)
     return identity_out(info)
 
@@ -68,8 +71,8 @@ async def delete_identity(collection: str, external_id: str, _: CollectionAccess
 @router.post("/identities/{external_id}/faces", response_model=schemas.EnrollResponse,
              status_code=status.HTTP_201_CREATED, openapi_extra=ENROLL_BODY,
              summary="Enroll one or several images (all or none)",
-             description="Each image must show one face, or pass `face=largest` or a `box`. Faces that fail the "
-                         "quality gate are refused with 422 `low_quality` and their reasons. With "
+             description="Each image must show one face, or pass `face=largest` or a `box`. Faces that "
+                         "fail the quality gate are refused with 422 `low_quality` and their reasons. With "
                          "`create=true` the identity is created when missing.")
 async def enroll(collection: str, external_id: str, request: Request, _: CollectionAccessDep,
                  service: ServiceDep, settings: SettingsDep,
@@ -98,8 +101,8 @@ def parse_box(raw: object) -> list[float] | None:
         raise ApiError("box must be four numbers x1,y1,x2,y2", code="validation_error", status=422) from exc
     if len(values) != 4 or not all(math.isfinite(v) for v in values) or values[2] <= values[0] \
             or values[3] <= values[1]:  # NaN compares false: without isfinite it passed, and chose face 0
-        raise ApiError("box must be four numbers x1,y1,x2,y2 with x2 > x1 and y2 > y1", code="validation_error",
-                       status=422)
+        raise ApiError("box must be four numbers x1,y1,x2,y2 with x2 > x1 and y2 > y1",
+                       code="validation_error", status=422)
     return values
 
 
@@ -111,7 +114,7 @@ async def list_faces(collection: str, external_id: str, _: CollectionAccessDep,
 
 
 @router.delete("/faces/{face_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Delete one face")
-async def delete_face(collection: str, face_id: Annotated[int, Path(ge=1, le=2**63 - 1)], _: CollectionAccessDep, store: StoreDep,
-                      gallery: GalleryDep) -> None:
+async def delete_face(collection: str, face_id: Annotated[int, Path(ge=1, le=2**63 - 1)],
+                      _: CollectionAccessDep, store: StoreDep, gallery: GalleryDep) -> None:
     await asyncio.to_thread(store.delete_face, collection, face_id)
     await asyncio.to_thread(gallery.sync)

@@ -19,8 +19,9 @@ ONE_IMAGE = image_body(schemas.ImageJson, {"image": False}, example={"image": "<
 BATCH = image_body(schemas.BatchJson, {"images": True}, example={"images": ["<base64 JPEG>", "<base64 PNG>"]})
 PAIR = image_body(schemas.VerifyJson, {"image_a": False, "image_b": False},
                   example={"image_a": "<base64 JPEG>", "image_b": "<base64 JPEG>"})
-Threshold = Annotated[float | None, Query(ge=-1, le=1, description="match threshold (default: the collection's "
-                                                                   "or the model's)")]
+Threshold = Annotated[float | None, Query(ge=-1, le=1,
+                                          description="match threshold (default: the collection's "
+                                                      "or the model's)")]
 TopK = Annotated[int, Query(ge=1, le=100, description="candidates per face")]
 
 
@@ -35,7 +36,8 @@ async def detect(request: Request, _: CallerDep, service: ServiceDep, settings: 
 @router.post("/v1/collections/{collection}/identify", response_model=schemas.IdentifyResponse,
              openapi_extra=ONE_IMAGE, summary="1:N: who is each face in the image (or unknown)")
 async def identify(collection: str, request: Request, _: CollectionAccessDep, service: ServiceDep,
-                   settings: SettingsDep, k: TopK = 5, threshold: Threshold = None) -> schemas.IdentifyResponse:
+                   settings: SettingsDep, k: TopK = 5, threshold: Threshold = None
+                   ) -> schemas.IdentifyResponse:
     uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
     return await service.identify(collection, uploaded.images[0], k, threshold)
 
@@ -54,7 +56,8 @@ async def identify_batch(collection: str, request: Request, _: CollectionAccessD
         try:
             if isinstance(data, ApiError):
                 raise data
-            return schemas.BatchItem(index=index, result=await service.identify(collection, data, k, threshold))
+            result = await service.identify(collection, data, k, threshold)
+            return schemas.BatchItem(index=index, result=result)
         except ApiError as exc:
             return schemas.BatchItem(index=index, error=error_body(exc.code, exc.message, exc.details))
         except PipelineError as exc:
@@ -89,8 +92,9 @@ async def verify(request: Request, _: CallerDep, service: ServiceDep, settings: 
     return await service.verify_images(uploaded.images[0], uploaded.images[1], threshold)
 
 
-@router.post("/v1/collections/{collection}/identities/{external_id}/verify", response_model=schemas.VerifyResponse,
-             openapi_extra=ONE_IMAGE, summary="1:1: is the (largest) face of the image this identity")
+@router.post("/v1/collections/{collection}/identities/{external_id}/verify",
+             response_model=schemas.VerifyResponse, openapi_extra=ONE_IMAGE,
+             summary="1:1: is the (largest) face of the image this identity")
 async def verify_identity(collection: str, external_id: str, request: Request, _: CollectionAccessDep,
                           service: ServiceDep, settings: SettingsDep, threshold: Threshold = None
                           ) -> schemas.VerifyResponse:

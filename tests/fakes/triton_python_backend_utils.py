@@ -15,7 +15,7 @@ BLS_HANDLERS: dict[str, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 BLS_CALLS: list[tuple[str, dict[str, np.ndarray]]] = []
 
 
-class TritonModelException(Exception):  # noqa: N818 (Triton's own name)
+class TritonModelException(Exception):
     pass
 
 

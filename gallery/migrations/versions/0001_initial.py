@@ -33,7 +33,9 @@ def upgrade() -> None:
     op.create_table(
         "identities",
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("collection_id", BigId, sa.ForeignKey("collections.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "collection_id", BigId, sa.ForeignKey("collections.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("external_id", sa.String(256), nullable=False),
         sa.Column("name", sa.String(256), nullable=False),
         sa.Column("metadata", sa.JSON(), nullable=False),
@@ -47,7 +49,9 @@ def upgrade() -> None:
         "faces",
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
         sa.Column("identity_id", BigId, sa.ForeignKey("identities.id", ondelete="CASCADE"), nullable=False),
-        sa.Column("collection_id", BigId, sa.ForeignKey("collections.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "collection_id", BigId, sa.ForeignKey("collections.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("embedding", sa.LargeBinary(), nullable=False),
         sa.Column("embedding_model", sa.String(128), nullable=False),
         sa.Column("image_sha256", sa.String(64), nullable=False),

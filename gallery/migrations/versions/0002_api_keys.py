@@ -22,7 +22,9 @@ def upgrade() -> None:
     op.create_table(
         "api_keys",
         sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("collection_id", BigId, sa.ForeignKey("collections.id", ondelete="CASCADE"), nullable=False),
+        sa.Column(
+            "collection_id", BigId, sa.ForeignKey("collections.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("prefix", sa.String(16), nullable=False),
         sa.Column("key_hash", sa.String(64), nullable=False, unique=True),
         sa.Column("label", sa.String(128), nullable=False),
