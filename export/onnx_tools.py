@@ -122,26 +122,25 @@ def rewrite_prelu(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def optimize_file(source: Path, target: Path) -> Path:
-    """``rewrite_prelu`` on an ONNX file (for user-supplied ArcFace/IResNet embedders, which use PReLU)."""
-    model = rewrite_prelu(onnx.load(str(source)))
+def save_checked(model: onnx.ModelProto, target: Path) -> Path:
+    """Check the model, then write it atomically (temporary file, rename)."""
     onnx.checker.check_model(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     onnx.save(model, str(partial))
     partial.replace(target)
     return target
+
+
+def optimize_file(source: Path, target: Path) -> Path:
+    """``rewrite_prelu`` on an ONNX file (for user-supplied ArcFace/IResNet embedders, which use PReLU)."""
+    return save_checked(rewrite_prelu(onnx.load(str(source))), target)
 
 
 def convert_sface(source: Path, target: Path) -> Path:
     """SFace int8 block-quantized (opset 21, batch 1) -> fp32 weights, dynamic batch, fast PReLU."""
-    model = rewrite_prelu(make_batch_dynamic(fold_weight_dequantization(onnx.load(str(source)))))
-    onnx.checker.check_model(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    onnx.save(model, str(partial))
-    partial.replace(target)
-    return target
+    return save_checked(rewrite_prelu(make_batch_dynamic(fold_weight_dequantization(onnx.load(str(source))))),
+                        target)
 
 
 def describe(path: Path) -> str:

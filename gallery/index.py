@@ -9,7 +9,6 @@ gallery rebuilds the index from the database.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -23,6 +22,8 @@ from typing import Any, cast
 import faiss
 import numpy as np
 from numpy.typing import NDArray
+
+from facecore.files import sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class FaceIndex:
         faiss.write_index(cpu, str(staged))
         _fsync(staged)
         meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
-                "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": _sha256(staged),
+                "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": sha256_of(staged),
                 **(extra or {})}
         staged.replace(path)
         meta_path = path.with_suffix(".json")
@@ -224,7 +225,7 @@ class FaceIndex:
              force_tombstones: bool = False) -> tuple[FaceIndex, dict[str, Any]]:
         """Index and metadata from ``save``; raises OSError/ValueError when missing or inconsistent."""
         meta = json.loads(path.with_suffix(".json").read_text())
-        if not isinstance(meta, dict) or meta.get("sha256") != _sha256(path):
+        if not isinstance(meta, dict) or meta.get("sha256") != sha256_of(path):
             raise ValueError(f"snapshot {path} does not match its metadata (digest differs)")
         cpu = faiss.read_index(str(path))
         index = cls(int(meta["dimension"]), config, force_tombstones)
@@ -256,14 +257,6 @@ def _exact_top10(queries: Vectors, vectors: Vectors, chunk: int = 65536) -> NDAr
         best_scores = np.take_along_axis(best_scores, keep, 1)
         best_rows = np.take_along_axis(best_rows, keep, 1)
     return best_rows
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
