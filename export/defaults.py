@@ -13,6 +13,7 @@ import numpy as np
 from export import fetch
 from export.onnx_tools import convert_sface
 from export.repository import Profile, RepositoryPlan, write_repository
+from facecore.files import sha256_of
 from facecore.onnx_runtime import OnnxDetector, create_session
 from facecore.pipeline import PipelineSettings, detect
 from facecore.processing import ImageArray, align_faces, decode_image, to_tensor
@@ -79,7 +80,7 @@ def prepare_default_models(work: Path) -> DefaultModels:
     embedder_file = onnx_dir / "sface_2021dec.fp32.bdyn.112x112.onnx"
     record = onnx_dir / "sface_2021dec.fp32.bdyn.112x112.check.json"
     if not (embedder_file.exists() and record.exists()
-            and json.loads(record.read_text()).get("sha256") == fetch.sha256_of(embedder_file)
+            and json.loads(record.read_text()).get("sha256") == sha256_of(embedder_file)
             and json.loads(record.read_text()).get("converter") == CONVERTER_VERSION):
         convert_sface(sface_int8, embedder_file)
         photos = fetch.fetch_photos(downloads, work / "photos")
@@ -92,12 +93,12 @@ def prepare_default_models(work: Path) -> DefaultModels:
             raise RuntimeError(
                 f"converted SFace differs by {difference:.2e} (> {SFACE_TOLERANCE}) from the original"
             )
-        record.write_text(json.dumps({"sha256": fetch.sha256_of(embedder_file),
+        record.write_text(json.dumps({"sha256": sha256_of(embedder_file),
                                       "converter": CONVERTER_VERSION, "faces": len(crops),
                                       "max_abs_diff": difference, "tolerance": SFACE_TOLERANCE}, indent=2))
     return DefaultModels(
-        detector=replace(detector, onnx=str(detector_file), sha256=fetch.sha256_of(detector_file)),
-        embedder=replace(embedder, onnx=str(embedder_file), sha256=fetch.sha256_of(embedder_file)),
+        detector=replace(detector, onnx=str(detector_file), sha256=sha256_of(detector_file)),
+        embedder=replace(embedder, onnx=str(embedder_file), sha256=sha256_of(embedder_file)),
         detector_file=detector_file,
         embedder_file=embedder_file,
     )

@@ -19,9 +19,9 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from export.fetch import sha256_of
 from export.torch_models.iresnet import INPUT_SIZE, LAYERS, IResNet
 from export.torch_models.retinaface import CONFIGS, RetinaFace
+from facecore.files import sha256_of
 from facecore.spec import load_spec
 
 log = logging.getLogger(__name__)
