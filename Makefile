@@ -21,7 +21,7 @@ $(VENV)/.runtime: pyproject.toml | $(PY)
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.runtime
-	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,cpu,dev,export]'
+	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,cpu,dev,export,bench]'
 	touch $@
 
 setup: $(VENV)/.runtime

@@ -4,8 +4,9 @@
     python -m bench.pipeline --url 127.0.0.1:8001 --seconds 30
 
 Prints a Markdown table (and writes JSON with --json): latency percentiles at concurrency 1,
-throughput at concurrency 8, and Triton's own statistics (average batch size per model,
-queue vs compute time per execution).
+throughput at concurrency 8, and Triton's own statistics (average batch size per model, queue time per
+request, compute time per execution from the batch statistics; ``bench.common.statistics_delta``).
+``python -m bench`` runs the whole comparison (ceiling, naive baseline, REST and gRPC, perf_analyzer).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import tritonclient.grpc as grpcclient
-
+from bench.common import MODELS, model_statistics, statistics_delta
 from bench.load import closed_loop
 from export.fetch import fetch_photos
 from service.launcher import TritonPorts, TritonServer
@@ -28,46 +28,12 @@ from service.pipeline_client import PipelineClient
 
 ROOT = Path(__file__).resolve().parent.parent
 PHOTOS = {"1 face (obama.jpg, 910x1137)": "obama.jpg", "6 faces (t1.jpg, 1280x886)": "t1.jpg"}
-MODELS = ("face_pipeline", "face_detector", "face_embedder")
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def model_statistics(url: str) -> dict[str, dict[str, float]]:
-    """Cumulative counters per model: requests, executions, queue and compute nanoseconds."""
-    client = grpcclient.InferenceServerClient(url)
-    out: dict[str, dict[str, float]] = {}
-    for name in MODELS:
-        stats = client.get_inference_statistics(name, as_json=True)["model_stats"][0]
-        inference = stats["inference_stats"]
-        out[name] = {
-            "requests": float(stats.get("inference_count", 0)),
-            "executions": float(stats.get("execution_count", 0)),
-            "queue_ns": float(inference.get("queue", {}).get("ns", 0)),
-            "compute_ns": sum(float(inference.get(k, {}).get("ns", 0))
-                              for k in ("compute_input", "compute_infer", "compute_output")),
-        }
-    client.close()
-    return out
-
-
-def statistics_delta(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, Any]:
-    rows = {}
-    for name in MODELS:
-        d = {k: after[name][k] - before[name][k] for k in after[name]}
-        executions = max(d["executions"], 1.0)
-        rows[name] = {
-            "avg_batch": round(d["requests"] / executions, 2),
-            "queue_ms_per_exec": round(d["queue_ns"] / executions / 1e6, 2),
-            "compute_ms_per_exec": round(d["compute_ns"] / executions / 1e6, 2),
-        }
-    return rows
 
 
 def measure(url: str, payload: bytes, seconds: float, concurrency: int) -> dict[str, Any]:
@@ -89,7 +55,7 @@ def report(results: dict[str, dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for photo, runs in results.items():
         for run in runs.values():
-            batches = " / ".join(str(run["triton"][m]["avg_batch"]) for m in MODELS)
+            batches = " / ".join(f"{run['triton'][m]['avg_batch']:.2f}" for m in MODELS)
             lines.append(f"| {photo} | {run['concurrency']} | {run['throughput_per_s']} | {run['p50_ms']} | "
                          f"{run['p90_ms']} | {run['p99_ms']} | {run['errors']} | {batches} |")
     return "\n".join(lines)

@@ -1,0 +1,285 @@
+"""Every benchmark in one go on this machine; writes ``docs/benchmarks/`` (Markdown tables, PNG plots).
+
+    python -m bench                     # the full run: ~20-25 minutes, 10 of them the memory run
+    python -m bench --quick             # ~3 minutes: shorter runs, a 30 s memory run, a small gallery
+    python -m bench --seconds 20 --memory-minutes 30 --full-gallery
+
+In this order:
+
+1. ceiling (``bench/ceiling.py``), alone: detector + embedder in-process with ONNX Runtime, best batch
+   sizes and thread layout, plus decode and pre/post-processing -> images/s and single-image time;
+2. naive baseline (``bench/naive_app.py`` under uvicorn) and our stack (Triton + gateway,
+   ``bench/stack.py``), alternating at every concurrency: naive ``/embed``, REST ``identify``, gRPC
+   ``face_pipeline`` (the servers not under load sit idle), with Triton's statistics and the CPU and
+   memory of every process;
+3. perf_analyzer 2.51 against face_pipeline with real JPEG data (``bench/perf_analyzer.py``);
+4. enrollment throughput (``bench/enroll.py``) against the same Triton;
+5. the memory run: REST identify at concurrency 8 for ``--memory-minutes``, resident memory sampled;
+6. gallery search scaling (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
+
+Then the ratios, the targets table and the plots go to ``<out>/README.md`` (between marker comments),
+``<out>/*.png`` and ``<out>/results.json``; the gallery and enrollment sections to ``<out>/gallery.md``.
+A part that fails is reported with its error; the others still run (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import ceiling, naive, perf_analyzer, report, stack
+from bench.common import ARTIFACTS, PHOTOS, REPOSITORY, ROOT, machine_description, served_models
+from export.fetch import fetch_photos
+from service.pipeline_client import PipelineClient
+
+log = logging.getLogger("bench")
+
+PARTS = ("ceiling", "naive", "stack", "perf_analyzer", "enroll", "memory", "gallery")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Durations and sizes of one run (the full defaults, or --quick's)."""
+
+    seconds: float
+    memory_minutes: float
+    concurrency: tuple[int, ...]
+    photos: tuple[str, ...]
+    naive_threads: tuple[int, ...]
+    ceiling: ceiling.CeilingOptions
+    pa: perf_analyzer.PaOptions
+    enroll_images: int
+    enroll_repeats: int
+    gallery_args: tuple[str, ...]
+    skip: frozenset[str] = field(default_factory=frozenset)
+
+
+def _layouts(values: list[str]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for value in values:
+        processes, _, threads = value.partition("x")
+        out.append((int(processes), int(threads)))
+    return tuple(out)
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    quick = args.quick
+    seconds = args.seconds if args.seconds is not None else (2.0 if quick else 10.0)
+    threads = tuple(sorted({t for _, t in _layouts(args.layouts)}))
+    gallery_args: tuple[str, ...]
+    if args.gallery_sizes:
+        dims = args.gallery_dims or [128]
+        gallery_args = ("--sizes", *map(str, args.gallery_sizes), "--dims", *map(str, dims), "--queries",
+                        "50" if quick else "200")
+    elif args.full_gallery:
+        gallery_args = ()
+    elif quick:
+        gallery_args = ("--sizes", "10000", "--dims", "128", "--queries", "100")
+    else:
+        gallery_args = ("--quick",)
+    return Plan(
+        seconds=seconds,
+        memory_minutes=args.memory_minutes if args.memory_minutes is not None else (0.5 if quick else 10.0),
+        concurrency=tuple(args.concurrency),
+        photos=tuple(args.photos),
+        naive_threads=tuple(args.naive_threads),
+        ceiling=ceiling.CeilingOptions(
+            seconds=seconds, repeats=2 if quick else 5, split_repeats=5 if quick else 15,
+            embedder_batches=(1, 4, 16) if quick else ceiling.EMBEDDER_BATCHES,
+            threads=threads, layouts=_layouts(args.layouts), fixed=not (args.no_fixed or quick)),
+        pa=perf_analyzer.PaOptions(concurrency=tuple(args.pa_concurrency),
+                                   measurement_ms=args.pa_measurement_ms or (1000 if quick else 4000),
+                                   max_trials=5 if quick else 8),
+        enroll_images=args.enroll_images or (24 if quick else 100),
+        enroll_repeats=args.enroll_repeats or (1 if quick else 3),
+        gallery_args=gallery_args,
+        skip=frozenset(args.skip),
+    )
+
+
+def run_part(results: report.Results, name: str, skip: frozenset[str], work: Callable[[], None]) -> None:
+    """Run one part, timing it; a failure is recorded for the report and the run goes on."""
+    if name in skip:
+        return
+    log.info("=== %s", name)
+    began = time.perf_counter()
+    try:
+        work()
+    except Exception as exc:  # one broken part must not cost the other 20 minutes of results
+        log.exception("%s failed", name)
+        results.errors[name] = f"{type(exc).__name__}: {exc}"
+    finally:
+        results.seconds[name] = time.perf_counter() - began
+
+
+def _gallery(results: report.Results, out: Path, args: tuple[str, ...], folder: Path) -> None:
+    from bench import gallery
+
+    data = folder / "gallery.json"
+    if gallery.main([*args, "--out", str(out / "gallery.md"), "--json", str(data)]) != 0:
+        raise RuntimeError("bench.gallery failed")
+    rows = [gallery.Row(**row) for row in json.loads(data.read_text())["rows"]]
+    results.gallery = f"Command: `python -m bench.gallery {' '.join(args)}`\n\n{gallery.result_table(rows)}"
+
+
+def _enroll(results: report.Results, out: Path, url: str, images: int, repeats: int, folder: Path) -> None:
+    from bench import enroll
+
+    data = folder / "enroll.json"
+    argv = ["--url", url, "--images", str(images), "--repeats", str(repeats)]
+    if enroll.main([*argv, "--out", str(out / "gallery.md"), "--json", str(data)]) != 0:
+        raise RuntimeError("bench.enroll failed")
+    results.enroll = (f"Command: `python -m bench.enroll {' '.join(argv[2:])} --url <this run's Triton>`\n\n"
+                      + enroll.table(json.loads(data.read_text())["rows"]))
+
+
+def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_servers: list[naive.NaiveServer],
+           running: stack.Stack | None) -> None:
+    """Naive, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers not under
+    load sit idle (measured: ~1 % of a core for the gateway's change-log follower, ~0 for the others), and a
+    slow drift of a shared machine hits all three alike instead of skewing their ratios."""
+    first = p.photos[0]
+    for server in naive_servers:
+        log.info("naive, %d thread(s), %s: %d face(s)", server.threads, first,
+                 naive.faces_found(server, first, photos[first]))
+    client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
+    try:
+        for name, data in photos.items():
+            if running:
+                log.info("REST identify %s: %s", name, stack.decisions(running, name, data))
+            for c in p.concurrency:
+                if name == first:
+                    results.naive += [naive.measure_once(server, name, data, c, p.seconds)
+                                      for server in naive_servers]
+                if running and client:
+                    results.stack.append(stack.measure_rest(running, name, data, c, p.seconds))
+                    results.stack.append(stack.measure_grpc(running, client, name, data, c, p.seconds))
+    finally:
+        if client:
+            client.close()
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
+    p = plan(args)
+    command = " ".join(["python -m bench", *argv]).strip()
+    results = report.Results(command=command, date=time.strftime("%Y-%m-%d %H:%M %Z"), machine="", settings={
+        "seconds per point": p.seconds, "concurrency": list(p.concurrency), "photos": list(p.photos),
+        "memory minutes": p.memory_minutes, "naive intra-op threads": list(p.naive_threads),
+        "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts],
+        "perf_analyzer window ms": p.pa.measurement_ms})
+    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
+    photos = {name: paths[name].read_bytes() for name in p.photos}
+    first = {p.photos[0]: photos[p.photos[0]]}  # naive, perf_analyzer and memory: the 1-face photo
+    models = served_models(args.repository)
+    out: Path = args.out
+    version = ""
+    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+        folder = Path(scratch)
+
+        def do_ceiling() -> None:
+            results.ceiling = ceiling.run(models, photos, p.ceiling)
+
+        run_part(results, "ceiling", p.skip, do_ceiling)  # alone: it uses every core itself
+        with ExitStack() as servers:
+            running: stack.Stack | None = None
+            stack_parts = {"stack", "perf_analyzer", "enroll", "memory"} - p.skip
+            if stack_parts:
+                try:
+                    running = servers.enter_context(stack.running_stack(args.repository,
+                                                                        photos.get(stack.ENROLLED)))
+                    version = running.version
+                except Exception as exc:  # Triton or the gateway did not start
+                    log.exception("the stack did not start")
+                    for part in stack_parts:
+                        results.errors[part] = f"the stack did not start: {type(exc).__name__}: {exc}"
+            with ExitStack() as naive_apps:  # stopped before perf_analyzer, enroll and the memory run
+                naive_servers: list[naive.NaiveServer] = []
+                if "naive" not in p.skip:
+                    try:
+                        naive_servers = [naive_apps.enter_context(naive.naive_server(models, t))
+                                         for t in p.naive_threads]
+                    except Exception as exc:  # reported; the stack is still measured
+                        log.exception("the naive app did not start")
+                        results.errors["naive"] = f"the naive app did not start: {type(exc).__name__}: {exc}"
+                measured = running if "stack" not in p.skip else None
+                if naive_servers or measured:
+                    run_part(results, "naive + stack (alternating)", frozenset(),
+                             lambda: _loads(results, p, photos, naive_servers, measured))
+            if running is not None:
+                stacked = running
+
+                def do_pa() -> None:
+                    results.perf_analyzer = perf_analyzer.measure(stacked.triton_grpc, first, p.pa)
+
+                def do_enroll() -> None:
+                    _enroll(results, out, stacked.triton_grpc, p.enroll_images, p.enroll_repeats, folder)
+
+                def do_memory() -> None:
+                    name = p.photos[0]
+                    results.memory = stack.memory_run(stacked, name, photos[name], p.memory_minutes)
+
+                run_part(results, "perf_analyzer", p.skip, do_pa)
+                run_part(results, "enroll", p.skip, do_enroll)
+                if p.memory_minutes > 0:
+                    run_part(results, "memory", p.skip, do_memory)
+        run_part(results, "gallery", p.skip, lambda: _gallery(results, out, p.gallery_args, folder))
+    results.machine = machine_description(f"tritonserver {version}" if version else "")
+    results.served = models.summary
+    return results
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="~3 minutes: short runs, 30 s memory run")
+    parser.add_argument("--seconds", type=float, help="each load measurement (default: 10; --quick: 2)")
+    parser.add_argument("--memory-minutes", type=float,
+                        help="memory run (default: 10; --quick: 0.5; 0: none)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks", help="report folder")
+    parser.add_argument("--full-gallery", action="store_true", help="gallery up to 1M faces (adds ~15 min)")
+    parser.add_argument("--repository", type=Path, default=REPOSITORY, help="CPU model repository")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photos (the first one also for "
+                        "naive, perf_analyzer and the memory run; default: obama.jpg t1.jpg)")
+    parser.add_argument("--naive-threads", type=int, nargs="+", default=list(naive.THREADS))
+    parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x1"],
+                        help="ceiling: processes x intra-op threads (default: 1x1 1x2 2x1)")
+    parser.add_argument("--no-fixed", action="store_true",
+                        help="ceiling: skip the fixed 640x640 input (--quick skips it too)")
+    parser.add_argument("--pa-concurrency", type=int, nargs="+", default=list(perf_analyzer.CONCURRENCY))
+    parser.add_argument("--pa-measurement-ms", type=int,
+                        help="perf_analyzer window (default: 4000; quick: 1000)")
+    parser.add_argument("--enroll-images", type=int, help="bench.enroll images (default: 100; quick: 24)")
+    parser.add_argument("--enroll-repeats", type=int, help="bench.enroll rounds (default: 3; quick: 1)")
+    parser.add_argument("--gallery-sizes", type=int, nargs="+",
+                        help="bench.gallery sizes (instead of its quick sizes)")
+    parser.add_argument("--gallery-dims", type=int, nargs="+",
+                        help="bench.gallery dimensions (with --gallery-sizes)")
+    parser.add_argument("--skip", nargs="+", default=[], choices=PARTS, help="parts to leave out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    args = arguments().parse_args(raw)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    began = time.perf_counter()
+    results = run(args, raw)
+    results.seconds["total"] = time.perf_counter() - began
+    readme = report.write(results, args.out)
+    print(report.section(readme.read_text()))
+    log.info("wrote %s in %.1f min", readme, results.seconds["total"] / 60)
+    return 1 if results.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""The in-process ceiling: what a perfect server could reach on this machine.
+
+    python -m bench.ceiling                       # obama.jpg (1 face) and t1.jpg (6 faces)
+    python -m bench.ceiling --seconds 5 --json ceiling.json
+
+The detector and the embedder run in-process in ONNX Runtime (``facecore.onnx_runtime``) with the
+ONNX files and the settings ``face_pipeline`` serves (read from ``model_repository/cpu``: the same
+detector input sizing, ``dynamic_input`` and ``decode_min_side``), plus the work a perfect server still
+does: JPEG decode, letterbox + tensor, post-processing + NMS, alignment, normalization. Nothing else:
+no RPC, no queues, no copies between processes.
+
+1. Sweeps: detector ms per image at batch 1, 2, 4, 8 (at the photo's detector input size) and embedder
+   ms per face at batch 1 ... 64, each with ONNX Runtime intra-op threads 1 and 2.
+2. Stage split (a timer around each step of ``facecore.pipeline.run_pipeline``, no profiler): decode /
+   letterbox+tensor / detector / postprocess+NMS / align / embedder / normalize / blur, one image at a
+   time; the median total is the *single-image time*.
+3. End to end: decode + ``run_pipeline`` with the best batch sizes in 1 process x 1 thread, 1 process x
+   2 threads and 2 processes x 1 thread (all at once) -> images/s. The best is the *ceiling*.
+
+The same is measured with the fixed 640x640 detector input (``dynamic_input=False``) for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+import facecore.pipeline as pipeline_module
+from bench.common import ARTIFACTS, PHOTOS, ServedModels, photo_label, served_models
+from bench.gallery import markdown_table
+from export.fetch import fetch_photos
+from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
+from facecore.pipeline import PipelineSettings, detector_input_size, run_pipeline
+from facecore.processing import (
+    FloatArray,
+    ImageArray,
+    align_faces,
+    decode_image,
+    letterbox,
+    original_size,
+    to_tensor,
+)
+
+log = logging.getLogger(__name__)
+
+DETECTOR_BATCHES = (1, 2, 4, 8)
+EMBEDDER_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+THREADS = (1, 2)
+#: (processes, intra-op threads per process) tried end to end.
+LAYOUTS = ((1, 1), (1, 2), (2, 1))
+STAGES = ("decode", "letterbox+tensor", "detector", "postprocess+NMS", "align", "embedder", "normalize",
+          "blur", "other")
+MODEL_STAGES = ("detector", "embedder")
+
+
+# --- decode the way face_pipeline does -------------------------------------------------------------
+
+
+def decode(data: bytes, settings: PipelineSettings) -> tuple[ImageArray, tuple[int, int] | None]:
+    """``face_pipeline``'s read_request: the decoded image and, for a reduced decode, the original size."""
+    image = decode_image(data, settings.max_pixels, settings.decode_min_side)
+    return image, (original_size(data, image) if settings.decode_min_side else None)
+
+
+def process(payloads: Sequence[bytes], settings: PipelineSettings, detector: pipeline_module.Detector,
+            embedder: pipeline_module.Embedder) -> list[pipeline_module.FaceResult]:
+    """What ``face_pipeline`` does for one execute of these images (decode + ``run_pipeline``)."""
+    decoded = [decode(data, settings) for data in payloads]
+    sizes = [size for _, size in decoded]
+    originals = None if any(size is None for size in sizes) else [s for s in sizes if s is not None]
+    return run_pipeline([image for image, _ in decoded], [settings.default_options] * len(decoded), settings,
+                        detector, embedder, originals)
+
+
+# --- sweeps ---------------------------------------------------------------------------------------------
+
+
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up call."""
+    call()
+    times = []
+    for _ in range(max(repeats, 1)):
+        began = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def detector_input(data: bytes, settings: PipelineSettings) -> tuple[FloatArray, tuple[int, int]]:
+    """The photo as the detector sees it: [1, 3, H, W] and the input (width, height)."""
+    image, _ = decode(data, settings)
+    spec = settings.detector
+    size = detector_input_size((image.shape[1], image.shape[0]), settings, settings.min_face_size)
+    fill = spec.mean[::-1] if spec.swap_rb else spec.mean
+    canvas, _ = letterbox(image, size[0], size[1], fill)
+    return to_tensor(canvas[None], spec.swap_rb, spec.mean, spec.std), size
+
+
+def face_crops(data: bytes, models: ServedModels, settings: PipelineSettings) -> ImageArray:
+    """The photo's aligned faces (so the embedder sweep runs on real crops)."""
+    detector = OnnxDetector(settings.detector, create_session(models.detector_file))
+    image, _ = decode(data, settings)
+    found = pipeline_module.detect([image], [settings.default_options], settings, detector)[0]
+    return align_faces(image, found.landmarks, settings.embedder.input_size[0])
+
+
+def detector_sweep(models: ServedModels, settings: PipelineSettings, data: bytes, threads: int,
+                   batches: Sequence[int], repeats: int) -> dict[int, float]:
+    """Detector ms per image at each batch size (the photo tiled), at the photo's input size."""
+    session = create_session(models.detector_file, threads)
+    spec = settings.detector
+    single, _ = detector_input(data, settings)
+    inputs = {b: np.repeat(single, b, 0) for b in batches}
+    return {b: 1000 * median_seconds(lambda b=b: session.run(list(spec.output_names),  # type: ignore[misc]
+                                                             {spec.input_name: inputs[b]}), repeats) / b
+            for b in batches}
+
+
+def embedder_sweep(models: ServedModels, settings: PipelineSettings, crops: ImageArray, threads: int,
+                   batches: Sequence[int], repeats: int) -> dict[int, float]:
+    """Embedder ms per face at each batch size (the photo's aligned faces, tiled)."""
+    session = create_session(models.embedder_file, threads)
+    spec = settings.embedder
+    tensor = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
+    inputs = {b: np.resize(tensor, (b, *tensor.shape[1:])) for b in batches}
+    return {b: 1000 * median_seconds(lambda b=b: session.run(list(spec.output_names),  # type: ignore[misc]
+                                                             {spec.input_name: inputs[b]}), repeats) / b
+            for b in batches}
+
+
+def best(per_item: dict[int, float]) -> int:
+    """The batch size with the lowest time per item (ties: the smaller batch)."""
+    return min(per_item, key=lambda b: (round(per_item[b], 3), b))
+
+
+# --- stage split ---------------------------------------------------------------------------------------
+
+
+class StageTimer:
+    """Accumulates wall time per stage of one ``run_pipeline`` call by wrapping the functions it calls."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+        self.detector_called = False
+
+    def wrap(self, stage: str | Callable[[], str], function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            name = stage if isinstance(stage, str) else stage()
+            began = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.ms[name] += 1000 * (time.perf_counter() - began)
+        return timed
+
+    def _tensor_stage(self) -> str:
+        """to_tensor serves both networks: before the detector ran, it makes the detector's input."""
+        return "normalize" if self.detector_called else "letterbox+tensor"
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Time the steps ``facecore.pipeline`` looks up in its module namespace at call time."""
+        wrapped: dict[str, str | Callable[[], str]] = {
+            "letterbox": "letterbox+tensor", "to_tensor": self._tensor_stage,
+            "postprocess_detections": "postprocess+NMS", "align_faces": "align", "l2_normalize": "normalize",
+            "blur_scores": "blur"}
+        with ExitStack() as stack:
+            for name, stage in wrapped.items():
+                stack.enter_context(mock.patch.object(pipeline_module, name,
+                                                      self.wrap(stage, getattr(pipeline_module, name))))
+            yield
+
+
+@dataclass
+class StageSplit:
+    """Median milliseconds per stage for one image, one request at a time."""
+
+    threads: int
+    faces: int
+    total_ms: float
+    stages_ms: dict[str, float]
+
+    @property
+    def outside_models_ms(self) -> float:
+        return self.total_ms - sum(self.stages_ms[s] for s in MODEL_STAGES)
+
+
+def stage_split(models: ServedModels, settings: PipelineSettings, data: bytes, threads: int,
+                repeats: int) -> StageSplit:
+    """decode + ``run_pipeline`` for one image, with a timer around every step; medians over ``repeats``."""
+    detector = OnnxDetector(settings.detector, create_session(models.detector_file, threads))
+    embedder = OnnxEmbedder(settings.embedder, create_session(models.embedder_file, threads))
+    faces = len(process([data], settings, detector, embedder)[0].detections)  # warm-up
+    runs: list[tuple[float, dict[str, float]]] = []
+    for _ in range(max(repeats, 1)):
+        timer = StageTimer()
+
+        def detect(batch: FloatArray, timer: StageTimer = timer) -> tuple[FloatArray, FloatArray, FloatArray]:
+            timer.detector_called = True
+            return detector(batch)
+
+        began = time.perf_counter()
+        with timer.installed():
+            image, size = timer.wrap("decode", decode)(data, settings)
+            run_pipeline([image], [settings.default_options], settings, timer.wrap("detector", detect),
+                         timer.wrap("embedder", embedder), None if size is None else [size])
+        total = 1000 * (time.perf_counter() - began)
+        timer.ms["other"] = total - sum(v for k, v in timer.ms.items() if k != "other")
+        runs.append((total, timer.ms))
+    return StageSplit(threads, faces, statistics.median(t for t, _ in runs),
+                      {s: statistics.median(ms[s] for _, ms in runs) for s in STAGES})
+
+
+# --- end to end ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    data: bytes
+    settings: PipelineSettings
+    detector_file: Path
+    embedder_file: Path
+    threads: int
+    images_per_call: int
+    seconds: float
+
+
+def _worker(job: WorkerJob, barrier: Any, results: Any) -> None:
+    """One process of an end-to-end run: sessions, one warm-up call, wait for the others, then calls until
+    ``job.seconds`` have passed."""
+    detector = OnnxDetector(job.settings.detector, create_session(job.detector_file, job.threads))
+    embedder = OnnxEmbedder(job.settings.embedder, create_session(job.embedder_file, job.threads))
+    payloads = [job.data] * job.images_per_call
+    process(payloads, job.settings, detector, embedder)
+    barrier.wait()
+    began, cpu = time.perf_counter(), time.process_time()
+    images, elapsed = 0, 0.0
+    while elapsed < job.seconds or images == 0:
+        process(payloads, job.settings, detector, embedder)
+        images += len(payloads)
+        elapsed = time.perf_counter() - began
+    results.put((images, elapsed, time.process_time() - cpu))
+
+
+def end_to_end(job: WorkerJob, processes: int) -> tuple[float, float]:
+    """Images/s of ``processes`` processes running ``job`` at the same time (summed), and the CPU
+    milliseconds they spent per image."""
+    context = multiprocessing.get_context("spawn")
+    results, barrier = context.Queue(), context.Barrier(processes)
+    workers = [context.Process(target=_worker, args=(job, barrier, results), daemon=True)
+               for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        done = [results.get(timeout=job.seconds * 4 + 600) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+    images = sum(n for n, _, _ in done)
+    return float(sum(n / elapsed for n, elapsed, _ in done)), 1000 * sum(cpu for _, _, cpu in done) / images
+
+
+# --- one photo -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    processes: int
+    threads: int
+    detector_batch: int
+    embedder_batch: int
+    images_per_call: int
+    images_per_s: float = 0.0
+    cpu_ms_per_image: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return (f"{self.processes} process{'es' if self.processes > 1 else ''} x {self.threads} "
+                f"thread{'s' if self.threads > 1 else ''}")
+
+
+@dataclass
+class PhotoCeiling:
+    photo: str
+    label: str
+    sizing: str  # "dynamic" (face_pipeline's CPU profile) or "fixed 640x640"
+    input_size: tuple[int, int]
+    faces: int
+    detector_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # threads -> batch -> ms/image
+    embedder_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # threads -> batch -> ms/face
+    splits: list[StageSplit] = field(default_factory=list)
+    layouts: list[Layout] = field(default_factory=list)
+
+    @property
+    def single_image_ms(self) -> float:
+        return min(s.total_ms for s in self.splits)
+
+    @property
+    def best_split(self) -> StageSplit:
+        return min(self.splits, key=lambda s: s.total_ms)
+
+    @property
+    def images_per_s(self) -> float:
+        return max((layout.images_per_s for layout in self.layouts), default=float("nan"))
+
+    @property
+    def best_layout(self) -> Layout | None:
+        return max(self.layouts, key=lambda layout: layout.images_per_s) if self.layouts else None
+
+
+@dataclass(frozen=True)
+class CeilingOptions:
+    seconds: float = 10.0
+    repeats: int = 5  # per sweep point
+    split_repeats: int = 15
+    detector_batches: Sequence[int] = DETECTOR_BATCHES
+    embedder_batches: Sequence[int] = EMBEDDER_BATCHES
+    threads: Sequence[int] = THREADS
+    layouts: Sequence[tuple[int, int]] = LAYOUTS
+    fixed: bool = True  # also the fixed 640x640 detector input
+
+
+def measure_photo(models: ServedModels, name: str, data: bytes, settings: PipelineSettings, sizing: str,
+                  options: CeilingOptions, embedder_ms: dict[int, dict[int, float]],
+                  layouts: Sequence[tuple[int, int]] | None = None) -> PhotoCeiling:
+    """Detector sweep, stage splits and end-to-end runs (``layouts``, default: the options') for one photo;
+    ``embedder_ms`` is the embedder sweep (per thread count), which does not depend on the photo."""
+    _, size = detector_input(data, settings)
+    faces = len(face_crops(data, models, settings))
+    result = PhotoCeiling(name, photo_label(name, data), sizing, size, faces, embedder_ms=embedder_ms)
+    for threads in options.threads:
+        log.info("%s %s: detector sweep and stage split with %d thread(s)", name, sizing, threads)
+        result.detector_ms[threads] = detector_sweep(models, settings, data, threads,
+                                                     options.detector_batches, options.repeats)
+        result.splits.append(stage_split(models, settings, data, threads, options.split_repeats))
+    for processes, threads in options.layouts if layouts is None else layouts:
+        if threads not in result.detector_ms:
+            continue
+        det = best(result.detector_ms[threads])
+        emb = best(result.embedder_ms[threads]) if threads in result.embedder_ms else 1
+        # Enough images per call that the embedder gets its best batch; a multiple of the detector's.
+        per_call = max(det, det * math.ceil(emb / max(faces, 1) / det))
+        layout = Layout(processes, threads, det, emb, per_call)
+        run_settings = replace(settings, detector_max_batch=det, embedder_max_batch=emb)
+        job = WorkerJob(data, run_settings, models.detector_file, models.embedder_file, threads, per_call,
+                        options.seconds)
+        log.info("%s %s: end to end, %s, detector batch %d, embedder batch %d", name, sizing, layout.label,
+                 det, emb)
+        layout.images_per_s, layout.cpu_ms_per_image = end_to_end(job, processes)
+        result.layouts.append(layout)
+    return result
+
+
+def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions) -> list[PhotoCeiling]:
+    """Every photo with the served sizing (``dynamic_input``: sized to the image), then, when asked, with
+    the fixed 640x640 input; that one only end to end in the layout that won with the served sizing."""
+    settings = models.settings
+    crops = np.concatenate([face_crops(data, models, settings) for data in photos.values()])
+    embedder_ms = {}
+    for threads in options.threads:
+        log.info("embedder sweep with %d thread(s) on %d real faces", threads, len(crops))
+        embedder_ms[threads] = embedder_sweep(models, settings, crops, threads, options.embedder_batches,
+                                              options.repeats)
+    served = [measure_photo(models, name, data, settings, "dynamic" if settings.dynamic_input else "fixed",
+                            options, embedder_ms) for name, data in photos.items()]
+    if not (options.fixed and settings.dynamic_input):
+        return served
+    fixed = replace(settings, dynamic_input=False)
+    width, height = fixed.detector.input_size
+    out = list(served)
+    for name, data in photos.items():
+        winner = next(r.best_layout for r in served if r.photo == name)
+        layouts = [(winner.processes, winner.threads)] if winner else []
+        out.append(measure_photo(models, name, data, fixed, f"fixed {width}x{height}", options, embedder_ms,
+                                 layouts))
+    return out
+
+
+# --- report -----------------------------------------------------------------------------------------------
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def summary_table(results: Sequence[PhotoCeiling]) -> str:
+    columns = ("photo", "detector input", "faces", "single image ms (1 / 2 threads)", "best detector batch, "
+               "ms/image (1 / 2 thr)", "best embedder batch, ms/face (1 / 2 thr)",
+               *(f"images/s, {Layout(p, t, 0, 0, 0).label}" for p, t in LAYOUTS), "ceiling images/s")
+    rows = []
+    for r in results:
+        singles = " / ".join(_ms(s.total_ms) for s in r.splits)
+        det = " / ".join(f"{best(v)}: {_ms(v[best(v)])}" for v in r.detector_ms.values())
+        emb = " / ".join(f"{best(v)}: {_ms(v[best(v)])}" for v in r.embedder_ms.values()) or "—"
+        by_layout = {(lay.processes, lay.threads): lay.images_per_s for lay in r.layouts}
+        rows.append((r.label, f"{r.input_size[0]}x{r.input_size[1]} ({r.sizing})", str(r.faces), singles, det,
+                     emb, *(f"{by_layout[k]:.1f}" if k in by_layout else "—" for k in LAYOUTS),
+                     f"**{r.images_per_s:.1f}**"))
+    return markdown_table(columns, rows)
+
+
+def split_table(results: Sequence[PhotoCeiling]) -> str:
+    columns = ("photo", "detector input", "threads", *STAGES, "total ms", "outside the two models ms")
+    rows = []
+    for r in results:
+        for s in r.splits:
+            rows.append((r.label, f"{r.input_size[0]}x{r.input_size[1]}", str(s.threads),
+                         *(f"{s.stages_ms[k]:.2f}" for k in STAGES), f"{s.total_ms:.1f}",
+                         f"{s.outside_models_ms:.2f}"))
+    return markdown_table(columns, rows)
+
+
+def sweep_table(results: Sequence[PhotoCeiling]) -> str:
+    columns = ("photo", "detector input", "network", "threads", "ms per item at batch …")
+    rows = []
+    for r in results:
+        for threads, values in r.detector_ms.items():
+            rows.append((r.label, f"{r.input_size[0]}x{r.input_size[1]}", "detector (per image)",
+                         str(threads), ", ".join(f"{b}: {v:.1f}" for b, v in values.items())))
+    for threads, values in (results[0].embedder_ms if results else {}).items():
+        rows.append(("all faces of the photos", "112x112", "embedder (per face)", str(threads),
+                     ", ".join(f"{b}: {v:.1f}" for b, v in values.items())))
+    return markdown_table(columns, rows)
+
+
+HOW_TO_READ = """\
+**How to read this.** Everything runs in this one Python process (or 2 for the 2 x 1 layout) with the
+served ONNX files and settings: no RPC, no queues. *Single image* is decode + `run_pipeline` for one
+image, one at a time (the best of 1 and 2 intra-op threads): the latency floor. *images/s* runs decode +
+`run_pipeline` back to back with the best batch sizes for that thread count (enough images per call that
+the embedder reaches its best batch): the throughput a perfect server could reach. The stage split wraps
+each step `facecore.pipeline` calls with a timer (medians of single-image runs; *other* is what is left:
+array glue, concatenation); *outside the two models* is everything but the detector and embedder calls.
+"""
+
+
+def document(results: Sequence[PhotoCeiling]) -> str:
+    return "\n\n".join(["### Ceiling: in-process ONNX Runtime (`bench/ceiling.py`)", summary_table(results),
+                        "Stage split, one image at a time (ms, medians):", split_table(results),
+                        "Batch sweeps (ms per item):", sweep_table(results), HOW_TO_READ.strip()])
+
+
+def to_json(results: Sequence[PhotoCeiling]) -> list[dict[str, Any]]:
+    return [{**asdict(r), "single_image_ms": r.single_image_ms, "images_per_s": r.images_per_s,
+             "outside_models_ms": r.best_split.outside_models_ms} for r in results]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repository", type=Path, default=None, help="CPU model repository (default: "
+                        "model_repository/cpu)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="end-to-end run per layout (default: 10)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per sweep point (default: 5)")
+    parser.add_argument("--split-repeats", type=int, default=15,
+                        help="single-image runs per split (default: 15)")
+    parser.add_argument("--photos", nargs="+", default=list(PHOTOS))
+    parser.add_argument("--no-fixed", action="store_true", help="skip the fixed 640x640 detector input")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    models = served_models(args.repository) if args.repository else served_models()
+    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
+    options = CeilingOptions(seconds=args.seconds, repeats=args.repeats, split_repeats=args.split_repeats,
+                             fixed=not args.no_fixed)
+    results = run(models, {name: paths[name].read_bytes() for name in args.photos}, options)
+    print(document(results))
+    if args.json:
+        args.json.write_text(json.dumps(to_json(results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Our stack: the bundled Triton (``model_repository/cpu``) and the REST gateway, under closed-loop load.
+
+    python -m bench.stack                            # REST identify + gRPC face_pipeline, concurrency 1..16
+    python -m bench.stack --seconds 5 --memory-minutes 1
+
+Starts ``TritonServer`` (log: ``artifacts/bench-stack-tritonserver.log``) and the gateway exactly as
+``make run`` does (``python -m service --triton-url ...`` in a subprocess; a temporary SQLite database
+and snapshot folder; log: ``artifacts/bench-gateway.log``), creates a collection with obama2.jpg
+enrolled, then measures
+
+- ``POST /v1/collections/bench/identify`` with a multipart JPEG (``httpx``, one client per load thread);
+- ``face_pipeline`` over gRPC with the call the gateway makes (``PipelineClient.infer``);
+
+at each concurrency: throughput, p50/p90/p99 latency, CPU per request of the load client (this process),
+the gateway and the Triton process tree (server + Python-backend stubs), their resident memory, and
+Triton's statistics per model (average batch, queue vs compute time, time outside the two networks).
+The memory run keeps REST identify at concurrency 8 for ``--memory-minutes`` and samples the resident
+memory of the gateway and of the Triton process tree every few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.common import (
+    ARTIFACTS,
+    MIB,
+    PHOTOS,
+    REPOSITORY,
+    LoadRow,
+    MultipartSender,
+    RssSampler,
+    Watched,
+    find_process,
+    free_port,
+    process_label,
+    process_tree,
+    rss_bytes,
+    run_load,
+    start_server,
+    stop_server,
+    triton_version,
+)
+from bench.gallery import markdown_table
+from bench.load import closed_loop
+from export.fetch import fetch_photos
+from service.launcher import TritonPorts, TritonServer
+from service.pipeline_client import PipelineClient
+
+log = logging.getLogger(__name__)
+
+CONCURRENCY = (1, 2, 4, 8, 16)
+COLLECTION = "bench"
+REST, GRPC = "REST identify", "gRPC face_pipeline"
+#: The photo enrolled as the identity the REST identify requests should match.
+ENROLLED = "obama2.jpg"
+MAX_FACES = 100  # what the gateway asks face_pipeline for (FACEREC_LIMITS__MAX_FACES default)
+
+
+@dataclass
+class Stack:
+    triton_grpc: str
+    triton_http: str
+    triton_pid: int
+    gateway_url: str
+    gateway_pid: int
+    key: str  # the collection's API key
+    version: str  # tritonserver version
+
+    def watched(self) -> list[Watched]:
+        return [Watched("gateway", self.gateway_pid, tree=False), Watched("triton", self.triton_pid)]
+
+    @property
+    def identify_url(self) -> str:
+        return f"{self.gateway_url}/v1/collections/{COLLECTION}/identify"
+
+
+def setup_collection(url: str, admin_key: str, enroll: bytes) -> str:
+    """A collection with one identity enrolled from ``enroll``; returns a key of that collection."""
+    with httpx.Client(base_url=url, headers={"X-API-Key": admin_key}, timeout=120) as client:
+        client.post("/v1/collections", json={"name": COLLECTION}).raise_for_status()
+        created = client.post(f"/v1/collections/{COLLECTION}/keys", json={"label": "bench"})
+        created.raise_for_status()
+        client.post(f"/v1/collections/{COLLECTION}/identities/obama/faces",
+                    params={"create": "true", "name": "Barack Obama"},
+                    files={"images": (ENROLLED, enroll, "image/jpeg")}).raise_for_status()
+        return str(created.json()["key"])
+
+
+@contextmanager
+def running_stack(repository: Path = REPOSITORY, enroll: bytes | None = None,
+                  log_dir: Path = ARTIFACTS) -> Iterator[Stack]:
+    """Triton and the gateway on free ports, a collection with ``enroll`` (default obama2.jpg) enrolled."""
+    if enroll is None:
+        enroll = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")[ENROLLED].read_bytes()
+    ports = TritonPorts(free_port(), free_port(), free_port())
+    server = TritonServer(repository, ports, log_file=log_dir / "bench-stack-tritonserver.log")
+    with server, tempfile.TemporaryDirectory(prefix="bench-stack-") as folder:
+        triton_pid = find_process(f"shm-region-prefix-name={server.shm_prefix}", "tritonserver")
+        if triton_pid is None:
+            raise RuntimeError("tritonserver is running but its process was not found in /proc")
+        workdir = Path(folder)
+        admin_key, port = secrets.token_urlsafe(24), free_port()
+        env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": admin_key,
+               "FACEREC_DATABASE__URL": f"sqlite:///{workdir / 'gallery.db'}",
+               "FACEREC_GALLERY__SNAPSHOT_DIR": str(workdir / "index"), "FACEREC_LOG_LEVEL": "WARNING"}
+        command = [sys.executable, "-m", "service", "--triton-url", server.grpc_url, "--host", "127.0.0.1",
+                   "--port", str(port), "--admin-key-file", str(workdir / "admin_key")]
+        url = f"http://127.0.0.1:{port}"
+        gateway = start_server(command, env, log_dir / "bench-gateway.log", f"{url}/health/ready")
+        try:
+            key = setup_collection(url, admin_key, enroll)
+            yield Stack(server.grpc_url, server.http_url, triton_pid, url, gateway.pid, key,
+                        triton_version(server.http_url))
+        finally:
+            stop_server(gateway)
+
+
+def identify_sender(stack: Stack, name: str, data: bytes) -> MultipartSender:
+    return MultipartSender(stack.identify_url, "image", name, data, {"X-API-Key": stack.key})
+
+
+def measure_rest(stack: Stack, name: str, data: bytes, concurrency: int, seconds: float) -> LoadRow:
+    """One closed-loop run of multipart ``identify`` requests through the gateway."""
+    sender = identify_sender(stack, name, data)
+    try:
+        row = run_load(REST, name, sender, concurrency, seconds, stack.watched(), stack.triton_grpc)
+    finally:
+        sender.close()
+    log.info("REST %s c=%d: %.1f images/s", name, concurrency, row.throughput)
+    return row
+
+
+def measure_grpc(stack: Stack, client: PipelineClient, name: str, data: bytes, concurrency: int,
+                 seconds: float) -> LoadRow:
+    """One closed-loop run of the ``face_pipeline`` call the gateway makes, sent directly over gRPC."""
+    def send() -> object:
+        return client.infer(data, max_faces=MAX_FACES)
+
+    row = run_load(GRPC, name, send, concurrency, seconds, stack.watched(), stack.triton_grpc)
+    log.info("gRPC %s c=%d: %.1f images/s", name, concurrency, row.throughput)
+    return row
+
+
+def decisions(stack: Stack, name: str, data: bytes) -> list[str]:
+    """What identify answers for this photo (a check that the enrolled identity is matched)."""
+    sender = identify_sender(stack, name, data)
+    try:
+        return [str(face["decision"]) for face in sender().json()["faces"]]
+    finally:
+        sender.close()
+
+
+def measure(stack: Stack, photos: dict[str, bytes], concurrency: Sequence[int] = CONCURRENCY,
+            seconds: float = 10.0) -> list[LoadRow]:
+    """REST identify and gRPC face_pipeline for every photo, alternating at each concurrency (so slow
+    drifts of a shared machine hit both alike)."""
+    rows = []
+    client = PipelineClient(stack.triton_grpc, timeout_s=300)
+    try:
+        for name, data in photos.items():
+            log.info("REST identify %s: %s", name, decisions(stack, name, data))
+            for c in concurrency:
+                rows.append(measure_rest(stack, name, data, c, seconds))
+                rows.append(measure_grpc(stack, client, name, data, c, seconds))
+    finally:
+        client.close()
+    return rows
+
+
+# --- memory -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryRun:
+    minutes: float
+    concurrency: int
+    interval_s: float
+    times_s: list[float]
+    rss_mib: dict[str, list[float]]  # per watched process (tree), one value per sample
+    load: LoadRow
+    warmup_s: float = 0.0
+    breakdown_mib: dict[str, float] = field(default_factory=dict)  # the Triton tree's processes at the end
+
+    def flatness(self, name: str) -> dict[str, float]:
+        """Start, end, min, max (MiB), the largest deviation from the start and the end's (percent), and the
+        least-squares slope (MiB per minute)."""
+        values = np.asarray(self.rss_mib[name], dtype=np.float64)
+        if values.size == 0:
+            return {}
+        start = float(values[0])
+        times = np.asarray(self.times_s, dtype=np.float64)
+        slope = float(np.polyfit(times / 60, values, 1)[0]) if values.size > 2 else 0.0
+        return {"start": start, "end": float(values[-1]), "min": float(values.min()),
+                "max": float(values.max()),
+                "max_deviation_pct": float(np.abs(values - start).max() / start * 100) if start else 0.0,
+                "end_change_pct": float((values[-1] - start) / start * 100) if start else 0.0,
+                "slope_mib_per_min": slope}
+
+
+def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency: int = 8,
+               interval_s: float | None = None) -> MemoryRun:
+    """REST identify at ``concurrency`` for ``minutes`` while sampling resident memory, after a warm-up at the
+    same load (10 % of the run, at most 30 s) that is not sampled: buffers for the batch shapes this load
+    produces are allocated then, not counted as growth."""
+    interval = interval_s or min(5.0, max(0.5, minutes * 60 / 120))
+    warmup = min(30.0, minutes * 6)
+    sender = identify_sender(stack, name, data)
+    try:
+        closed_loop(sender, concurrency, warmup)
+        with RssSampler(stack.watched(), interval) as sampler:
+            row = run_load(f"{REST} (memory run)", name, sender, concurrency, minutes * 60, stack.watched(),
+                           stack.triton_grpc)
+    finally:
+        sender.close()
+    breakdown = {f"{process_label(pid)} [{pid}]": rss_bytes([pid]) / MIB
+                 for pid in process_tree(stack.triton_pid)}
+    return MemoryRun(minutes, concurrency, interval, [t for t, _ in sampler.samples],
+                     {w.name: [s[w.name] / MIB for _, s in sampler.samples] for w in stack.watched()}, row,
+                     warmup, breakdown)
+
+
+# --- report -----------------------------------------------------------------------------------------
+
+LOAD_COLUMNS = ("target", "photo", "concurrency", "images/s", "p50 ms", "p90 ms", "p99 ms", "errors",
+                "CPU ms/request: client / gateway / Triton", "RSS MiB: gateway / Triton")
+
+
+def load_table(rows: Sequence[LoadRow]) -> str:
+    lines = []
+    for r in rows:
+        cpu = " / ".join(f"{v:.1f}" for v in (r.client_cpu_ms, r.cpu_ms.get("gateway", float("nan")),
+                                              r.cpu_ms.get("triton", float("nan"))))
+        rss = " / ".join(f"{r.rss_mib.get(k, float('nan')):.0f}" for k in ("gateway", "triton"))
+        lines.append((r.target, r.photo, str(r.concurrency), f"{r.throughput:.1f}", f"{r.p50_ms:.0f}",
+                      f"{r.p90_ms:.0f}", f"{r.p99_ms:.0f}", str(r.errors), cpu, rss))
+    return markdown_table(LOAD_COLUMNS, lines)
+
+
+STATS_COLUMNS = ("target", "photo", "concurrency", "model", "avg batch (items/execution)", "queue ms/request",
+                 "request ms", "compute ms/execution", "compute ms/item",
+                 "pipeline: outside the networks ms/image")
+
+
+def stats_table(rows: Sequence[LoadRow]) -> str:
+    lines = []
+    for r in rows:
+        for model, s in (r.triton or {}).items():
+            outside = s.get("outside_models_ms_per_image")
+            lines.append((r.target, r.photo, str(r.concurrency), model, f"{s['avg_batch']:.2f}",
+                          f"{s['queue_ms_per_request']:.1f}", f"{s['request_ms']:.1f}",
+                          f"{s['compute_ms_per_exec']:.1f}", f"{s['compute_ms_per_item']:.1f}",
+                          "—" if outside is None else f"{outside:.1f}"))
+    return markdown_table(STATS_COLUMNS, lines)
+
+
+def cpu_table(rows: Sequence[LoadRow]) -> str:
+    """CPU milliseconds per request of every process: where the machine's time goes."""
+    processes = list(dict.fromkeys(k for r in rows for k in r.cpu_detail_ms))
+    columns = ("target", "photo", "concurrency", "load client", "gateway", *processes, "total")
+    lines = []
+    for r in rows:
+        lines.append((r.target, r.photo, str(r.concurrency), f"{r.client_cpu_ms:.1f}",
+                      f"{r.cpu_ms.get('gateway', float('nan')):.1f}",
+                      *(f"{r.cpu_detail_ms.get(k, float('nan')):.1f}" for k in processes),
+                      f"{r.cpu_ms_total:.1f}"))
+    return markdown_table(columns, lines)
+
+
+def memory_table(run: MemoryRun) -> str:
+    columns = ("process", "start MiB", "end MiB", "min MiB", "max MiB", "largest deviation from start",
+               "end vs start", "trend MiB/min")
+    lines = []
+    for name in run.rss_mib:
+        f = run.flatness(name)
+        if f:
+            lines.append((name, f"{f['start']:.0f}", f"{f['end']:.0f}", f"{f['min']:.0f}", f"{f['max']:.0f}",
+                          f"{f['max_deviation_pct']:.1f} %", f"{f['end_change_pct']:+.1f} %",
+                          f"{f['slope_mib_per_min']:+.2f}"))
+    return markdown_table(columns, lines)
+
+
+def to_json(rows: Sequence[LoadRow], memory: MemoryRun | None) -> dict[str, Any]:
+    return {"rows": [asdict(r) for r in rows], "memory": asdict(memory) if memory else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.stack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repository", type=Path, default=REPOSITORY)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--photos", nargs="+", default=list(PHOTOS))
+    parser.add_argument("--memory-minutes", type=float, default=0.0, help="memory run length (default: none)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
+    photos = {n: paths[n].read_bytes() for n in args.photos}
+    memory = None
+    with running_stack(args.repository) as stack:
+        rows = measure(stack, photos, args.concurrency, args.seconds)
+        if args.memory_minutes > 0:
+            name = args.photos[0]
+            memory = memory_run(stack, name, photos[name], args.memory_minutes)
+    print(load_table(rows), stats_table(rows), sep="\n\n")
+    if memory:
+        print("\n" + memory_table(memory))
+    if args.json:
+        args.json.write_text(json.dumps(to_json(rows, memory), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
