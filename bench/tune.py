@@ -55,24 +55,43 @@ def _batching(model: str, **changes: object) -> Mutation:
     return lambda t: replace(t, **{model: replace(getattr(t, model), **changes)})
 
 
+def _model_delay(tuning: ProfileTuning, microseconds: int) -> ProfileTuning:
+    return replace(tuning, detector=replace(tuning.detector, queue_delay_us=microseconds),
+                   embedder=replace(tuning.embedder, queue_delay_us=microseconds))
+
+
 #: Dimensions in the order they are tried, each with its candidate values.
 DIMENSIONS: dict[str, dict[str, Mutation]] = {
+    "spinning": {
+        "ONNX Runtime threads do not spin": lambda t: replace(t, spinning=False),
+        "ONNX Runtime threads spin": lambda t: replace(t, spinning=True),
+    },
     "threads": {
-        "detector 2 / embedder 2 threads": lambda t: replace(t, detector_threads=2, embedder_threads=2),
         "detector 1 / embedder 1 threads": lambda t: replace(t, detector_threads=1, embedder_threads=1),
         "detector 2 / embedder 1 threads": lambda t: replace(t, detector_threads=2, embedder_threads=1),
+        "detector 2 / embedder 2 threads": lambda t: replace(t, detector_threads=2, embedder_threads=2),
     },
-    "instances": {
-        "1 detector, 1 embedder, 1 pipeline": lambda t: replace(
-            t, detector=replace(t.detector, instances=1), embedder=replace(t.embedder, instances=1),
-            pipeline=replace(t.pipeline, instances=1)),
-        "2 detectors": _batching("detector", instances=2),
+    "pipeline instances": {
+        "1 pipeline": _batching("pipeline", instances=1),
         "2 pipelines": _batching("pipeline", instances=2),
+        "3 pipelines": _batching("pipeline", instances=3),
+    },
+    "detector instances": {
+        "1 detector": _batching("detector", instances=1),
+        "2 detectors": _batching("detector", instances=2),
+    },
+    "embedder instances": {
+        "1 embedder": _batching("embedder", instances=1),
+        "2 embedders": _batching("embedder", instances=2),
     },
     "batching": {
-        "pipeline delay 2 ms": _batching("pipeline", queue_delay_us=2000, preferred=(4, 8)),
+        "pipeline delay 0.5 ms": _batching("pipeline", queue_delay_us=500, preferred=(4, 8)),
         "pipeline delay 0": _batching("pipeline", queue_delay_us=0, preferred=(2, 4, 8)),
-        "pipeline delay 10 ms": _batching("pipeline", queue_delay_us=10000, preferred=(8,)),
+        "pipeline delay 5 ms": _batching("pipeline", queue_delay_us=5000, preferred=(8,)),
+    },
+    "model queue delay": {
+        "detector/embedder delay 0": lambda t: _model_delay(t, 0),
+        "detector/embedder delay 1 ms": lambda t: _model_delay(t, 1000),
     },
     "detector size": {
         "dynamic, max 640": _options(dynamic_input="True"),

@@ -60,6 +60,8 @@ class ProfileTuning:
     pipeline: Batching
     detector_threads: int = 2  # ONNX Runtime intra-op threads (CPU profile)
     embedder_threads: int = 2
+    #: ONNX Runtime worker threads busy-wait for work (fast hand-over, but burns shared cores).
+    spinning: bool = True
     #: face_pipeline parameters (PipelineSettings fields as strings), e.g. {"decode_min_side": "1280"}.
     pipeline_options: dict[str, str] = field(default_factory=dict)
 
@@ -155,7 +157,8 @@ def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: 
     if not gpu:
         tuning = plan.effective_tuning
         threads = tuning.detector_threads if spec.role == "detector" else tuning.embedder_threads
-        params |= {"onnx_file": "model.onnx", "intra_op_threads": str(threads)}
+        params |= {"onnx_file": "model.onnx", "intra_op_threads": str(threads),
+                   "intra_op_spinning": str(tuning.spinning).lower()}
     _set_parameters(config, params)
     return config
 

@@ -16,12 +16,20 @@ from facecore.spec import ModelSpec
 
 
 def create_session(
-    path: str | Path, intra_op_threads: int = 0, inter_op_threads: int = 1
+    path: str | Path, intra_op_threads: int = 0, inter_op_threads: int = 1, spinning: bool = True
 ) -> ort.InferenceSession:
-    """A CPU session; 0 threads lets ONNX Runtime use one per core."""
+    """A CPU session; 0 threads lets ONNX Runtime use one per core.
+
+    ``spinning=False`` stops idle worker threads from busy-waiting for work: right when several
+    processes (Triton's model instances) share few cores, where spinning threads burn the CPU the
+    other models need.
+    """
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3

@@ -34,6 +34,7 @@ class TritonPythonModel:
         self.session = create_session(
             version_dir / params.get("onnx_file", "model.onnx"),
             intra_op_threads=int(params.get("intra_op_threads", "0")),
+            spinning=params.get("intra_op_spinning", "true").lower() == "true",
         )
         (self.input_name,) = tensor_names(config, "input")
         self.output_names = tensor_names(config, "output")
