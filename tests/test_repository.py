@@ -12,7 +12,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from export.__main__ import main as export_main
 from export.defaults import DefaultModels
-from export.repository import Profile, RepositoryPlan, pin_version, write_repository
+from export.repository import Profile, ProfileTuning, RepositoryPlan, pin_version, write_repository
 from facecore.pipeline import PipelineSettings
 from facecore.triton_config import parameters
 from service.launcher import TritonPorts, TritonServer
@@ -35,12 +35,17 @@ def test_cpu_profile(cpu_repository: Path) -> None:
     for name in MODELS:
         config = read_config(cpu_repository, name)
         assert config.backend == "python" and config.max_batch_size > 0
-        assert config.dynamic_batching.preferred_batch_size
-        assert config.dynamic_batching.max_queue_delay_microseconds > 0
+        assert config.HasField("dynamic_batching") and config.dynamic_batching.preferred_batch_size
+        tuned = ProfileTuning.default(Profile.CPU)
+        batching = {"face_detector": tuned.detector, "face_embedder": tuned.embedder,
+                    "face_pipeline": tuned.pipeline}[name]
+        assert config.dynamic_batching.max_queue_delay_microseconds == batching.queue_delay_us
+        assert config.instance_group[0].count == batching.instances
         assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
         assert config.version_policy.latest.num_versions == 1
         assert (cpu_repository / name / "1" / "model.py").is_file()
     detector = read_config(cpu_repository, "face_detector")
+    assert detector.parameters["intra_op_spinning"].string_value in ("true", "false")
     assert list(detector.input[0].dims) == [3, -1, -1]
     assert "MobileNet-0.25" in detector.parameters["architecture"].string_value
     assert detector.model_warmup[0].inputs["input"].random_data
@@ -115,3 +120,10 @@ def test_roll_out_and_roll_back_on_a_live_server(
         client.load_model("face_embedder")
         assert client.is_model_ready("face_embedder", "2")
         pipeline.close()
+
+
+def test_tuning_round_trips_through_json() -> None:
+    tuning = ProfileTuning.default(Profile.CPU)
+    assert ProfileTuning.from_json(tuning.to_json()) == tuning
+    gpu = ProfileTuning.builtin(Profile.GPU)
+    assert ProfileTuning.from_json(gpu.to_json()) == gpu
