@@ -16,7 +16,6 @@ import tritonclient.grpc as grpcclient
 from sqlalchemy import text
 
 from gallery.__main__ import main as gallery_main
-from gallery.db import Database, create_db_engine, migrate
 from gallery.errors import CropsMissing, ModelMismatch
 from gallery.gallery import Gallery
 from gallery.importer import Importer, ImportOptions, Status, read_manifest, scan_folder
@@ -26,13 +25,8 @@ from service.launcher import TritonServer
 from service.pipeline_client import AsyncPipelineClient, PipelineClient
 
 pytestmark = pytest.mark.triton
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> GalleryStore:
-    engine = create_db_engine(f"sqlite:///{tmp_path / 'gallery.db'}")
-    migrate(engine)
-    return GalleryStore(Database(engine))
+#: ``store``: a migrated GalleryStore on SQLite and on PostgreSQL (every test runs on both).
+pytest_plugins = ["tests.gallery_fixtures"]
 
 
 @pytest.fixture
