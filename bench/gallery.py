@@ -365,7 +365,7 @@ HOW_TO_READ = """\
 new photo of an enrolled person, at cosine 0.75 to one stored face (its *true match*). *Exact* is a flat
 inner-product scan (`FaceIndex.build` below `exact_max`): recall 1 by definition, cost linear in N and d.
 *Approximate* is `FaceIndex.build` with `exact_max=0`: it trains IVF and keeps it only when recall@10 on
-its own tuning queries reaches 0.99 within 25 % of the lists; otherwise it says *refused* and stays
+its own tuning queries reaches 0.99 scanning at most half of the lists; otherwise it says *refused* and stays
 exact (its build time then includes the wasted IVF attempt). *recall@10* compares the top 10 with the
 exact top 10 on queries the index was not tuned on; *true match@10* is what a face search needs: the
 source face is among the 10 results. Latency is one query per call, sequential (what one API request
