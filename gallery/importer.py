@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import hashlib
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -201,8 +202,6 @@ def write_report(results: list[ItemResult], path: Path) -> None:
              "status": r.status.value, "detail": r.detail, "faces": r.faces, "face_id": r.face_id,
              "sha256": r.sha256} for r in results]
     if path.suffix.lower() == ".json":
-        import json
-
         path.write_text(json.dumps(rows, indent=2))
         return
     with path.open("w", newline="", encoding="utf-8") as handle:

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from gallery.gallery import Gallery
 from gallery.store import GalleryStore
@@ -59,8 +60,6 @@ async def principal(
     presented = header or (bearer.credentials if bearer else None)
     if not presented:
         raise Unauthorized("an API key is required (X-API-Key header)")
-    from starlette.concurrency import run_in_threadpool
-
     found = await run_in_threadpool(keys.authenticate, presented)
     if found is None:
         raise Unauthorized("the API key is not valid")

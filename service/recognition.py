@@ -6,6 +6,7 @@ Blocking work (database, FAISS) runs in the thread pool; the event loop only awa
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import time
 
@@ -33,8 +34,6 @@ def confidence(score: float, threshold: float) -> float:
 
 
 def image_sha256(data: bytes) -> str:
-    import hashlib
-
     return hashlib.sha256(data).hexdigest()
 
 

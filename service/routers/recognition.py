@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -47,8 +48,6 @@ async def identify(collection: str, request: Request, _: CollectionAccessDep, se
 async def identify_batch(collection: str, request: Request, _: CollectionAccessDep, service: ServiceDep,
                          settings: SettingsDep, k: TopK = 5, threshold: Threshold = None
                          ) -> schemas.BatchIdentifyResponse:
-    import asyncio
-
     limits = settings.limits
     uploaded = await read_images_lenient(request, limits.max_pixels, limits.max_batch_images)
 
