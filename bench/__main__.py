@@ -8,10 +8,12 @@ In this order:
 
 1. ceiling (``bench/ceiling.py``), alone: detector + embedder in-process with ONNX Runtime, best batch
    sizes and thread layout, plus decode and pre/post-processing -> images/s and single-image time;
-2. naive baseline (``bench/naive_app.py`` under uvicorn) and our stack (Triton + gateway,
-   ``bench/stack.py``), alternating at every concurrency: naive ``/embed``, REST ``identify``, gRPC
-   ``face_pipeline`` (the servers not under load sit idle), with Triton's statistics and the CPU and
-   memory of every process;
+2. the naive baselines (``bench/naive_app.py`` under uvicorn, 1 intra-op thread; *served*: the settings
+   and ONNX files face_pipeline serves, *plain*: fixed 640x640 and SFace without the PReLU rewrite, see
+   ``bench/plain.py``) and our stack (Triton + gateway, ``bench/stack.py``), alternating at every
+   concurrency: naive served ``/embed``, naive plain ``/embed``, REST ``identify``, gRPC ``face_pipeline``
+   (the servers not under load sit idle), with Triton's statistics and the CPU and memory of every
+   process;
 3. perf_analyzer 2.51 against face_pipeline with real JPEG data (``bench/perf_analyzer.py``);
 4. enrollment throughput (``bench/enroll.py``) against the same Triton;
 5. the memory run: REST identify at concurrency 8 for ``--memory-minutes``, resident memory sampled;
@@ -35,8 +37,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import ceiling, naive, perf_analyzer, report, stack
-from bench.common import ARTIFACTS, PHOTOS, REPOSITORY, ROOT, machine_description, served_models
+from bench import ceiling, naive, perf_analyzer, plain, report, stack
+from bench.common import (
+    ARTIFACTS,
+    PHOTOS,
+    REPOSITORY,
+    ROOT,
+    ServedModels,
+    machine_description,
+    served_models,
+)
 from export.fetch import fetch_photos
 from service.pipeline_client import PipelineClient
 
@@ -54,6 +64,7 @@ class Plan:
     concurrency: tuple[int, ...]
     photos: tuple[str, ...]
     naive_threads: tuple[int, ...]
+    naive_variants: tuple[str, ...]
     ceiling: ceiling.CeilingOptions
     pa: perf_analyzer.PaOptions
     enroll_images: int
@@ -91,6 +102,7 @@ def plan(args: argparse.Namespace) -> Plan:
         concurrency=tuple(args.concurrency),
         photos=tuple(args.photos),
         naive_threads=tuple(args.naive_threads),
+        naive_variants=tuple(dict.fromkeys(args.naive_variants)),
         ceiling=ceiling.CeilingOptions(
             seconds=seconds, repeats=2 if quick else 5, split_repeats=5 if quick else 15,
             embedder_batches=(1, 4, 16) if quick else ceiling.EMBEDDER_BATCHES,
@@ -148,8 +160,11 @@ def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_ser
     slow drift of a shared machine hits all three alike instead of skewing their ratios."""
     first = p.photos[0]
     for server in naive_servers:
-        log.info("naive, %d thread(s), %s: %d face(s)", server.threads, first,
+        log.info("naive %s, %d thread(s), %s: %d face(s)", server.variant, server.threads, first,
                  naive.faces_found(server, first, photos[first]))
+    results.naive_agreement = naive.agreement(naive_servers, photos)
+    if results.naive_agreement:
+        log.info("naive served vs plain: %s", results.naive_agreement)
     client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
     try:
         for name, data in photos.items():
@@ -157,8 +172,9 @@ def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_ser
                 log.info("REST identify %s: %s", name, stack.decisions(running, name, data))
             for c in p.concurrency:
                 if name == first:
-                    results.naive += [naive.measure_once(server, name, data, c, p.seconds)
-                                      for server in naive_servers]
+                    for server in naive_servers:
+                        rows = results.naive_plain if server.variant == naive.PLAIN else results.naive
+                        rows.append(naive.measure_once(server, name, data, c, p.seconds))
                 if running and client:
                     results.stack.append(stack.measure_rest(running, name, data, c, p.seconds))
                     results.stack.append(stack.measure_grpc(running, client, name, data, c, p.seconds))
@@ -167,12 +183,30 @@ def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_ser
             client.close()
 
 
+def _plain(results: report.Results, p: Plan, models: ServedModels, photos: dict[str, bytes]
+           ) -> ServedModels | None:
+    """The plain variant's models (built or reused, checked against the served embedder) when the ceiling
+    or the plain naive baseline needs them; None (and the error reported) when they cannot be had."""
+    wanted = "ceiling" not in p.skip or ("naive" not in p.skip and naive.PLAIN in p.naive_variants)
+    if not wanted:
+        return None
+    try:
+        prepared = plain.prepare(models, photos)
+    except Exception as exc:  # the served baseline and the stack are still measured
+        log.exception("the plain variant's models are not usable")
+        results.errors["naive plain"] = f"plain models: {type(exc).__name__}: {exc}"
+        return None
+    results.plain_check = prepared.describe()
+    return prepared.models
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
     p = plan(args)
     command = " ".join(["python -m bench", *argv]).strip()
     results = report.Results(command=command, date=time.strftime("%Y-%m-%d %H:%M %Z"), machine="", settings={
         "seconds per point": p.seconds, "concurrency": list(p.concurrency), "photos": list(p.photos),
-        "memory minutes": p.memory_minutes, "naive intra-op threads": list(p.naive_threads),
+        "memory minutes": p.memory_minutes, "naive variants": list(p.naive_variants),
+        "naive intra-op threads": list(p.naive_threads),
         "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts],
         "perf_analyzer window ms": p.pa.measurement_ms})
     paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
@@ -181,11 +215,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
     models = served_models(args.repository)
     out: Path = args.out
     version = ""
+    plain_models = _plain(results, p, models, photos)
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
         folder = Path(scratch)
 
         def do_ceiling() -> None:
-            results.ceiling = ceiling.run(models, photos, p.ceiling)
+            results.ceiling = ceiling.run(models, photos, p.ceiling, plain_models)
 
         run_part(results, "ceiling", p.skip, do_ceiling)  # alone: it uses every core itself
         with ExitStack() as servers:
@@ -203,12 +238,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
             with ExitStack() as naive_apps:  # stopped before perf_analyzer, enroll and the memory run
                 naive_servers: list[naive.NaiveServer] = []
                 if "naive" not in p.skip:
-                    try:
-                        naive_servers = [naive_apps.enter_context(naive.naive_server(models, t))
-                                         for t in p.naive_threads]
-                    except Exception as exc:  # reported; the stack is still measured
-                        log.exception("the naive app did not start")
-                        results.errors["naive"] = f"the naive app did not start: {type(exc).__name__}: {exc}"
+                    for variant in p.naive_variants:
+                        run_models = plain_models if variant == naive.PLAIN else models
+                        if run_models is None:  # the plain models failed: reported by _plain
+                            continue
+                        try:
+                            for t in p.naive_threads:
+                                server = naive.naive_server(run_models, t, variant)
+                                naive_servers.append(naive_apps.enter_context(server))
+                        except Exception as exc:  # reported; the stack is still measured
+                            log.exception("the naive %s app did not start", variant)
+                            results.errors[f"naive {variant}"] = (f"the naive {variant} app did not start: "
+                                                                  f"{type(exc).__name__}: {exc}")
                 measured = running if "stack" not in p.skip else None
                 if naive_servers or measured:
                     run_part(results, "naive + stack (alternating)", frozenset(),
@@ -249,7 +290,12 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photos (the first one also for "
                         "naive, perf_analyzer and the memory run; default: obama.jpg t1.jpg)")
-    parser.add_argument("--naive-threads", type=int, nargs="+", default=list(naive.THREADS))
+    parser.add_argument("--naive-variants", nargs="+", default=list(naive.VARIANTS), choices=naive.VARIANTS,
+                        help="naive baselines: served (the served settings and files) and plain (fixed "
+                        "640x640, SFace without the PReLU rewrite); default: both")
+    parser.add_argument("--naive-threads", type=int, nargs="+", default=list(naive.THREADS),
+                        help="naive intra-op threads, for every variant (default: 1; 2 lost at every "
+                        "concurrency on 2 cores)")
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x1"],
                         help="ceiling: processes x intra-op threads (default: 1x1 1x2 2x1)")
     parser.add_argument("--no-fixed", action="store_true",

@@ -17,7 +17,10 @@ no RPC, no queues, no copies between processes.
 3. End to end: decode + ``run_pipeline`` with the best batch sizes in 1 process x 1 thread, 1 process x
    2 threads and 2 processes x 1 thread (all at once) -> images/s. The best is the *ceiling*.
 
-The same is measured with the fixed 640x640 detector input (``dynamic_input=False``) for reference.
+The same is measured with the fixed 640x640 detector input (``dynamic_input=False``) for reference, and
+for the *plain* variant (``bench/plain.py``: fixed 640x640 and SFace without the PReLU rewrite, what the
+plain naive baseline runs): its embedder sweep and stage split always (cheap), its end-to-end run only
+with the fixed input's (not with ``--no-fixed``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from unittest import mock
 import numpy as np
 
 import facecore.pipeline as pipeline_module
+from bench import plain as plain_part
 from bench.common import ARTIFACTS, PHOTOS, ServedModels, photo_label, served_models
 from bench.gallery import markdown_table
 from export.fetch import fetch_photos
@@ -306,6 +310,9 @@ class PhotoCeiling:
     embedder_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # threads -> batch -> ms/face
     splits: list[StageSplit] = field(default_factory=list)
     layouts: list[Layout] = field(default_factory=list)
+    #: "served" (face_pipeline's settings and files), "fixed" (served files, fixed 640x640 input) or
+    #: "plain" (fixed 640x640 and the PReLU embedder: the plain naive baseline's work)
+    variant: str = "served"
 
     @property
     def single_image_ms(self) -> float:
@@ -338,16 +345,22 @@ class CeilingOptions:
 
 def measure_photo(models: ServedModels, name: str, data: bytes, settings: PipelineSettings, sizing: str,
                   options: CeilingOptions, embedder_ms: dict[int, dict[int, float]],
-                  layouts: Sequence[tuple[int, int]] | None = None) -> PhotoCeiling:
+                  layouts: Sequence[tuple[int, int]] | None = None, variant: str = "served",
+                  detector_ms: dict[int, dict[int, float]] | None = None) -> PhotoCeiling:
     """Detector sweep, stage splits and end-to-end runs (``layouts``, default: the options') for one photo;
-    ``embedder_ms`` is the embedder sweep (per thread count), which does not depend on the photo."""
+    ``embedder_ms`` is the embedder sweep (per thread count), which does not depend on the photo;
+    ``detector_ms``, when given, a detector sweep at the same input size to reuse."""
     _, size = detector_input(data, settings)
     faces = len(face_crops(data, models, settings))
-    result = PhotoCeiling(name, photo_label(name, data), sizing, size, faces, embedder_ms=embedder_ms)
+    result = PhotoCeiling(name, photo_label(name, data), sizing, size, faces, embedder_ms=embedder_ms,
+                          variant=variant)
     for threads in options.threads:
         log.info("%s %s: detector sweep and stage split with %d thread(s)", name, sizing, threads)
-        result.detector_ms[threads] = detector_sweep(models, settings, data, threads,
-                                                     options.detector_batches, options.repeats)
+        if detector_ms is not None and threads in detector_ms:
+            result.detector_ms[threads] = detector_ms[threads]
+        else:
+            result.detector_ms[threads] = detector_sweep(models, settings, data, threads,
+                                                         options.detector_batches, options.repeats)
         result.splits.append(stage_split(models, settings, data, threads, options.split_repeats))
     for processes, threads in options.layouts if layouts is None else layouts:
         if threads not in result.detector_ms:
@@ -367,9 +380,12 @@ def measure_photo(models: ServedModels, name: str, data: bytes, settings: Pipeli
     return result
 
 
-def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions) -> list[PhotoCeiling]:
+def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
+        plain: ServedModels | None = None) -> list[PhotoCeiling]:
     """Every photo with the served sizing (``dynamic_input``: sized to the image), then, when asked, with
-    the fixed 640x640 input; that one only end to end in the layout that won with the served sizing."""
+    the fixed 640x640 input; that one only end to end in the layout that won with the served sizing.
+    With ``plain`` (``bench.plain.prepare(...).models``), also the plain variant: its embedder sweep and
+    stage split, and end to end like the fixed input (when that is measured)."""
     settings = models.settings
     crops = np.concatenate([face_crops(data, models, settings) for data in photos.values()])
     embedder_ms = {}
@@ -379,16 +395,30 @@ def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions)
                                               options.repeats)
     served = [measure_photo(models, name, data, settings, "dynamic" if settings.dynamic_input else "fixed",
                             options, embedder_ms) for name, data in photos.items()]
-    if not (options.fixed and settings.dynamic_input):
-        return served
-    fixed = replace(settings, dynamic_input=False)
-    width, height = fixed.detector.input_size
     out = list(served)
-    for name, data in photos.items():
-        winner = next(r.best_layout for r in served if r.photo == name)
-        layouts = [(winner.processes, winner.threads)] if winner else []
-        out.append(measure_photo(models, name, data, fixed, f"fixed {width}x{height}", options, embedder_ms,
-                                 layouts))
+    width, height = settings.detector.input_size
+
+    def winner(name: str) -> list[tuple[int, int]]:
+        best_layout = next(r.best_layout for r in served if r.photo == name)
+        return [(best_layout.processes, best_layout.threads)] if best_layout else []
+
+    if options.fixed and settings.dynamic_input:
+        fixed = replace(settings, dynamic_input=False)
+        out += [measure_photo(models, name, data, fixed, f"fixed {width}x{height}", options, embedder_ms,
+                              winner(name), variant="fixed") for name, data in photos.items()]
+    if plain is None:
+        return out
+    plain_ms = {}
+    for threads in options.threads:
+        log.info("plain embedder sweep with %d thread(s) on %d real faces", threads, len(crops))
+        plain_ms[threads] = embedder_sweep(plain, plain.settings, crops, threads, options.embedder_batches,
+                                           options.repeats)
+    # The detector at the fixed input size is the same work as the fixed (or a fixed served) row's.
+    same_detector = {r.photo: r.detector_ms for r in out
+                     if r.variant == "fixed" or (r.variant == "served" and not settings.dynamic_input)}
+    out += [measure_photo(plain, name, data, plain.settings, f"fixed {width}x{height}, PReLU embedder",
+                          options, plain_ms, winner(name) if options.fixed else [], variant="plain",
+                          detector_ms=same_detector.get(name)) for name, data in photos.items()]
     return out
 
 
@@ -411,8 +441,12 @@ def summary_table(results: Sequence[PhotoCeiling]) -> str:
         by_layout = {(lay.processes, lay.threads): lay.images_per_s for lay in r.layouts}
         rows.append((r.label, f"{r.input_size[0]}x{r.input_size[1]} ({r.sizing})", str(r.faces), singles, det,
                      emb, *(f"{by_layout[k]:.1f}" if k in by_layout else "—" for k in LAYOUTS),
-                     f"**{r.images_per_s:.1f}**"))
+                     f"**{r.images_per_s:.1f}**" if r.layouts else "—"))
     return markdown_table(columns, rows)
+
+
+def _input(r: PhotoCeiling) -> str:
+    return f"{r.input_size[0]}x{r.input_size[1]}" + (", PReLU embedder" if r.variant == "plain" else "")
 
 
 def split_table(results: Sequence[PhotoCeiling]) -> str:
@@ -420,22 +454,32 @@ def split_table(results: Sequence[PhotoCeiling]) -> str:
     rows = []
     for r in results:
         for s in r.splits:
-            rows.append((r.label, f"{r.input_size[0]}x{r.input_size[1]}", str(s.threads),
+            rows.append((r.label, _input(r), str(s.threads),
                          *(f"{s.stages_ms[k]:.2f}" for k in STAGES), f"{s.total_ms:.1f}",
                          f"{s.outside_models_ms:.2f}"))
     return markdown_table(columns, rows)
 
 
+#: The embedder each variant runs, as the sweep table names it.
+EMBEDDERS = {"served": "embedder (per face), served", "plain": "embedder (per face), plain: PReLU kept"}
+
+
 def sweep_table(results: Sequence[PhotoCeiling]) -> str:
     columns = ("photo", "detector input", "network", "threads", "ms per item at batch …")
-    rows = []
-    for r in results:
+    rows: list[tuple[str, ...]] = []
+    seen = set()
+    for r in results:  # the plain rows reuse the fixed rows' detector sweep: listed once
+        if (r.label, r.input_size) in seen:
+            continue
+        seen.add((r.label, r.input_size))
         for threads, values in r.detector_ms.items():
             rows.append((r.label, f"{r.input_size[0]}x{r.input_size[1]}", "detector (per image)",
                          str(threads), ", ".join(f"{b}: {v:.1f}" for b, v in values.items())))
-    for threads, values in (results[0].embedder_ms if results else {}).items():
-        rows.append(("all faces of the photos", "112x112", "embedder (per face)", str(threads),
-                     ", ".join(f"{b}: {v:.1f}" for b, v in values.items())))
+    sweeps = {EMBEDDERS.get(r.variant, EMBEDDERS["served"]): r.embedder_ms for r in results}
+    for network, sweep in sweeps.items():
+        for threads, values in sweep.items():
+            rows.append(("all faces of the photos", "112x112", network, str(threads),
+                         ", ".join(f"{b}: {v:.1f}" for b, v in values.items())))
     return markdown_table(columns, rows)
 
 
@@ -447,6 +491,10 @@ image, one at a time (the best of 1 and 2 intra-op threads): the latency floor. 
 the embedder reaches its best batch): the throughput a perfect server could reach. The stage split wraps
 each step `facecore.pipeline` calls with a timer (medians of single-image runs; *other* is what is left:
 array glue, concatenation); *outside the two models* is everything but the detector and embedder calls.
+Rows marked *fixed 640x640* letterbox every image to the full detector input instead of sizing it to the
+image (the detector's ms per image grow with its pixels); *PReLU embedder* rows also run SFace as
+converted without the PReLU rewrite: the plain naive baseline's work (compare the embedder rows of the
+sweeps and the *embedder* column of the split).
 """
 
 
@@ -472,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="single-image runs per split (default: 15)")
     parser.add_argument("--photos", nargs="+", default=list(PHOTOS))
     parser.add_argument("--no-fixed", action="store_true", help="skip the fixed 640x640 detector input")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip the plain variant (fixed 640x640, SFace without the PReLU rewrite)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -479,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
     options = CeilingOptions(seconds=args.seconds, repeats=args.repeats, split_repeats=args.split_repeats,
                              fixed=not args.no_fixed)
-    results = run(models, {name: paths[name].read_bytes() for name in args.photos}, options)
+    photos = {name: paths[name].read_bytes() for name in args.photos}
+    plain = None if args.no_plain else plain_part.prepare(models, photos).models
+    results = run(models, photos, options, plain)
     print(document(results))
     if args.json:
         args.json.write_text(json.dumps(to_json(results), indent=2))

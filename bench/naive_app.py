@@ -1,18 +1,28 @@
 """The naive baseline: one FastAPI app that does everything per request, in its own process.
 
 ``POST /embed`` (multipart field ``image``) decodes, detects, aligns and embeds that one image with the
-same ONNX models and the same pre/post-processing code as ``face_pipeline`` (``facecore``), and returns
+same networks and the same pre/post-processing code as ``face_pipeline`` (``facecore``), and returns
 the faces with their embeddings. No Triton, no batching across requests, no gallery. The endpoint is a
 plain ``def``: FastAPI runs it in its thread pool, so concurrent requests run side by side, each calling
 ONNX Runtime with batch 1. This is the approach Triton exists to beat.
+
+Two variants (``NAIVE_VARIANT``):
+
+- ``served``: exactly the settings and ONNX files ``face_pipeline`` serves, work reductions included
+  (detector input sized to each image, SFace with its PReLU rewritten): the same work as the stack, so
+  comparing with it measures serving overhead;
+- ``plain``: the obvious deployment of the same networks: every image letterboxed to the fixed detector
+  input (640x640, ``dynamic_input=False``), decoded at full size, and an embedder file that still has its
+  PRelu nodes (the app refuses to start with one that has none).
 
 Configuration (environment; ``bench/naive.py`` sets it and runs the app with uvicorn):
 
 - ``NAIVE_SETTINGS``: JSON of ``PipelineSettings.to_parameters()`` (the parameters face_pipeline serves)
 - ``NAIVE_DETECTOR_ONNX`` / ``NAIVE_EMBEDDER_ONNX``: the ONNX files
+- ``NAIVE_VARIANT``: ``served`` (default) or ``plain``
 - ``NAIVE_INTRA_OP_THREADS``: ONNX Runtime intra-op threads per session (0: one per core)
 
-    NAIVE_SETTINGS=... NAIVE_DETECTOR_ONNX=... NAIVE_EMBEDDER_ONNX=... \\
+    NAIVE_SETTINGS=... NAIVE_DETECTOR_ONNX=... NAIVE_EMBEDDER_ONNX=... NAIVE_VARIANT=plain \\
         python -m uvicorn bench.naive_app:app --port 8090
 """
 
@@ -22,9 +32,11 @@ import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Annotated, Any
 
+import onnx
 from fastapi import FastAPI, File, HTTPException, Request, UploadFile
 
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
@@ -38,15 +50,34 @@ class Models:
     detector: OnnxDetector
     embedder: OnnxEmbedder
     threads: int
+    variant: str
+    embedder_file: str
+    prelu_nodes: int  # in the embedder graph
+
+
+VARIANTS = ("served", "plain")
+
+
+def prelu_nodes(path: str) -> int:
+    return sum(node.op_type == "PRelu" for node in onnx.load(path, load_external_data=False).graph.node)
 
 
 def load_models() -> Models:
     """ONNX Runtime sessions and settings from the environment (once, at start-up)."""
     settings = PipelineSettings.from_parameters(json.loads(os.environ["NAIVE_SETTINGS"]))
+    variant = os.environ.get("NAIVE_VARIANT", "served")
+    if variant not in VARIANTS:
+        raise ValueError(f"NAIVE_VARIANT must be one of {VARIANTS}, not {variant!r}")
+    embedder_file = os.environ["NAIVE_EMBEDDER_ONNX"]
+    prelu = prelu_nodes(embedder_file)
+    if variant == "plain":
+        settings = replace(settings, dynamic_input=False, decode_min_side=0)
+        if prelu == 0:
+            raise ValueError(f"plain needs an embedder with PRelu nodes; {embedder_file} has none")
     threads = int(os.environ.get("NAIVE_INTRA_OP_THREADS", "0"))
     detector = OnnxDetector(settings.detector, create_session(os.environ["NAIVE_DETECTOR_ONNX"], threads))
-    embedder = OnnxEmbedder(settings.embedder, create_session(os.environ["NAIVE_EMBEDDER_ONNX"], threads))
-    return Models(settings, detector, embedder, threads)
+    embedder = OnnxEmbedder(settings.embedder, create_session(embedder_file, threads))
+    return Models(settings, detector, embedder, threads, variant, Path(embedder_file).name, prelu)
 
 
 @asynccontextmanager
@@ -61,7 +92,12 @@ app = FastAPI(title="naive face embedding baseline", lifespan=lifespan)
 @app.get("/health")
 def health(request: Request) -> dict[str, Any]:
     models: Models = request.app.state.models
-    return {"ok": True, "intra_op_threads": models.threads}
+    settings = models.settings
+    return {"ok": True, "variant": models.variant, "intra_op_threads": models.threads,
+            "dynamic_input": settings.dynamic_input,
+            "detector_input_size": list(settings.detector.input_size),
+            "decode_min_side": settings.decode_min_side, "embedder_file": models.embedder_file,
+            "embedder_prelu_nodes": models.prelu_nodes}
 
 
 @app.post("/embed")

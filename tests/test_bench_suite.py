@@ -18,7 +18,7 @@ import pytest
 
 import facecore.pipeline as pipeline_module
 from bench import __main__ as bench_main
-from bench import ceiling, perf_analyzer, report
+from bench import ceiling, naive, perf_analyzer, plain, report
 from bench.common import LoadRow, served_models, statistics_delta
 from bench.stack import MemoryRun
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
@@ -67,9 +67,84 @@ def test_memory_flatness_and_quick_plan() -> None:
     assert flat["max_deviation_pct"] == pytest.approx(8.0) and flat["end_change_pct"] == pytest.approx(5.0)
     quick = bench_main.plan(bench_main.arguments().parse_args(["--quick"]))
     assert quick.seconds == 2 and quick.memory_minutes == 0.5 and quick.ceiling.embedder_batches == (1, 4, 16)
+    assert quick.naive_variants == ("served", "plain") and quick.naive_threads == (1,)
     full = bench_main.plan(bench_main.arguments().parse_args([]))
     assert full.seconds == 10 and full.memory_minutes == 10 and full.gallery_args == ("--quick",)
     assert full.ceiling.layouts == ((1, 1), (1, 2), (2, 1)) and full.pa.concurrency == (1, 2, 4, 8)
+
+
+def test_the_plain_embedder_is_the_served_network(tmp_path: Path, photos: dict[str, Path],
+                                                  cpu_repository: Path) -> None:
+    """Built from the pinned int8 file without the PReLU rewrite, it gives the served embeddings."""
+    models = served_models(cpu_repository)
+    faces = {name: photos[name].read_bytes() for name in ("obama.jpg", "t1.jpg")}
+    target = tmp_path / "sface.prelu.onnx"
+    prepared = plain.prepare(models, faces, target)
+    assert prepared.built and prepared.prelu_nodes > 0 and prepared.served_prelu_nodes == 0
+    assert prepared.faces == 2 * 7 and prepared.max_abs_diff <= plain.TOLERANCE
+    settings = prepared.models.settings
+    assert not settings.dynamic_input and settings.decode_min_side == 0
+    assert prepared.models.embedder_file == target and prepared.models.detector_file == models.detector_file
+    assert not plain.prepare(models, faces, target).built  # reused
+    assert "PRelu nodes" in prepared.describe()
+
+
+def test_the_naive_app_runs_either_variant(tmp_path: Path, photos: dict[str, Path],
+                                           cpu_repository: Path) -> None:
+    models = served_models(cpu_repository)
+    data = {name: photos[name].read_bytes() for name in ("obama.jpg", "t1.jpg")}
+    plain_models = plain.prepare(models, data, tmp_path / "sface.prelu.onnx").models
+    log_file = tmp_path / "naive.log"
+    with naive.naive_server(models, 1, naive.SERVED, log_file) as served, \
+            naive.naive_server(plain_models, 1, naive.PLAIN, log_file) as plain_server:
+        assert served.health and plain_server.health
+        assert served.health["dynamic_input"] and served.health["embedder_prelu_nodes"] == 0
+        assert not plain_server.health["dynamic_input"] and plain_server.health["embedder_prelu_nodes"] > 0
+        agreement = naive.agreement([served, plain_server], data)
+        assert "obama.jpg: 1 face(s) served, 1 plain" in agreement
+        assert "t1.jpg: 6 face(s) served, 6 plain" in agreement
+        cosines = [float(part.rsplit(">= ", 1)[1]) for part in agreement.split("; ")]
+        assert min(cosines) >= 0.97  # the same faces, embedded alike (detections move by a few pixels)
+        row = naive.measure_once(plain_server, "obama.jpg", data["obama.jpg"], 1, 0.3)
+        assert row.target == "naive plain /embed, 1 intra-op thread" and row.requests > 0 and row.errors == 0
+    # the app refuses a plain variant whose embedder has no PReLU left
+    with pytest.raises(RuntimeError, match="exited"), naive.naive_server(models, 1, naive.PLAIN, log_file):
+        pass
+
+
+def _row(target: str, throughput: float, concurrency: int = 8) -> LoadRow:
+    return LoadRow(target, "obama.jpg", concurrency, 100, 0, 1.0, throughput, 10, 20, 30, 1.0,
+                   {"server": 2000 / throughput})
+
+
+@pytest.mark.parametrize(("plain_throughput", "status"), [(30.0, "pass"), (45.0, "falls short")])
+def test_the_1_5x_target_uses_the_plain_baseline(plain_throughput: float, status: str) -> None:
+    results = report.Results("python -m bench", "today", "test machine", {},
+                             naive=[_row(naive.target_name(1, naive.SERVED), 50.0)],
+                             naive_plain=[_row(naive.target_name(1, naive.PLAIN), plain_throughput)],
+                             stack=[_row("REST identify", 60.0), _row("gRPC face_pipeline", 65.0)],
+                             plain_check="checked", naive_agreement="obama.jpg: 1 face(s) served, 1 plain")
+    found = {t.name: t for t in report.targets(results)}
+    overhead = found[f"REST identify throughput at concurrency 8 >= 0.95x {report.BASELINE_SERVED} (1 face)"]
+    assert overhead.status == "pass" and "naive served /embed" in overhead.measured
+    reduced = found[f"REST identify throughput at concurrency 8 >= 1.5x {report.BASELINE_PLAIN} (1 face)"]
+    assert reduced.status == status and "naive plain /embed" in reduced.measured
+    assert f"= {60 / plain_throughput:.2f}x" in reduced.measured
+    if status == "falls short":
+        assert f"work reductions alone make the naive app {50 / plain_throughput:.2f}x faster" in reduced.why
+    values = {r.name: r.value for r in report.ratios(results)}
+    for name, value in (("REST identify / naive plain, obama.jpg, concurrency 8", 60 / plain_throughput),
+                        ("gRPC face_pipeline / naive plain, obama.jpg, concurrency 8", 65 / plain_throughput),
+                        ("REST identify / naive plain, obama.jpg, best concurrency of each",
+                         60 / plain_throughput),
+                        ("gRPC face_pipeline / naive served, obama.jpg, concurrency 8", 65 / 50),
+                        ("naive served / naive plain, obama.jpg, concurrency 8 (the work reductions alone)",
+                         50 / plain_throughput)):
+        assert values[name] == pytest.approx(value), name
+    document = report.document(results, {})
+    assert "### The two naive baselines" in document and "checked" in document
+    assert "the same decisions: obama.jpg: 1 face(s) served, 1 plain" in document
+    assert "naive plain /embed, 1 intra-op thread" in document.split("### Naive baselines", 1)[1]
 
 
 def test_perf_analyzer_is_fetched_by_pin_and_gets_real_jpeg_data(tmp_path: Path,
@@ -147,7 +222,8 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     text = (out / "README.md").read_text()
     body = report.section(text)
     assert "python -m bench --quick --seconds 1" in body and "Machine: " in body and "onnxruntime" in body
-    for heading in ("### Targets", "### Ratios", "### Ceiling", "### Naive baseline", "### Our stack",
+    for heading in ("### Targets", "### The two naive baselines", "### Ratios", "### Ceiling",
+                    "### Naive baselines", "### Our stack",
                     "### perf_analyzer", "### Memory", "### Gallery search scaling", "### Enrollment"):
         assert heading in body, heading
 
@@ -156,11 +232,28 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert {row[2] for row in targets} <= {"**pass**", "**falls short**"}, targets  # all measured
     assert all(row[3] != "—" for row in targets if row[2] == "**falls short**")  # a reason when short
 
+    assert any("1.5x the plain naive baseline" in name and "naive plain /embed" in measured
+               for name, measured, *_ in targets)
+    assert any("0.95x the naive baseline with the served settings" in name
+               and "naive served /embed" in measured for name, measured, *_ in targets)
+
     ratios = {row[0]: float(row[1]) for row in _table(body, "### Ratios")}
-    for name in ("REST identify / ceiling, obama.jpg, concurrency 8", "REST identify / naive, obama.jpg, "
-                 "concurrency 8", "gRPC face_pipeline / naive, obama.jpg, concurrency 8",
+    for name in ("REST identify / ceiling, obama.jpg, concurrency 8",
+                 "REST identify / naive served, obama.jpg, concurrency 8",
+                 "gRPC face_pipeline / naive served, obama.jpg, concurrency 8",
+                 "REST identify / naive plain, obama.jpg, concurrency 8",
+                 "gRPC face_pipeline / naive plain, obama.jpg, concurrency 8",
+                 "REST identify / naive plain, obama.jpg, best concurrency of each",
+                 "naive served / naive plain, obama.jpg, concurrency 8 (the work reductions alone)",
                  "REST identify p50 at concurrency 1 / ceiling single image, obama.jpg"):
         assert name in ratios and math.isfinite(ratios[name]) and ratios[name] > 0, (name, ratios)
+    assert {r["target"] for r in results["naive"]} == {"naive served /embed, 1 intra-op thread"}
+    assert {r["target"] for r in results["naive_plain"]} == {"naive plain /embed, 1 intra-op thread"}
+    assert "PRelu nodes" in results["plain_check"]
+    assert "1 face(s) served, 1 plain" in results["naive_agreement"]
+    variants = {(c["photo"], c["variant"]): c for c in results["ceiling"]}
+    assert variants[("obama.jpg", "plain")]["input_size"] == [640, 640]  # measured even with --no-fixed
+    assert "plain: PReLU kept" in body
 
     stack = {(r["target"], r["concurrency"]): r for r in results["stack"]}
     grpc = stack[("gRPC face_pipeline", 8)]
