@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
@@ -25,9 +26,13 @@ import faiss
 import numpy as np
 from numpy.typing import NDArray
 
-from facecore.files import sha256_of
+from facecore.files import sha256_of, sha256_of_handle
 
 log = logging.getLogger(__name__)
+
+# a concurrent save renames the index a moment before its metadata: how often and how long load waits
+_PAIR_RETRIES = 3
+_PAIR_RETRY_S = 0.05
 
 Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
@@ -205,10 +210,11 @@ class FaceIndex:
     # --- snapshots ----------------------------------------------------------------------------
 
     def save(self, path: Path, seq: int, extra: dict[str, Any] | None = None) -> None:
-        """Write the index, then its metadata (with the index file's sha256), each atomically.
+        """Write the index and its metadata (with the index file's sha256), each atomically.
 
-        Temporary names are unique per writer, and ``load`` checks the digest, so two processes
-        sharing a snapshot folder can never pair one's index with the other's metadata.
+        Both files are staged under names unique to this writer, then renamed one right after the
+        other; ``load`` checks the digest and waits out that short gap, so a reader never pairs one
+        snapshot's index with another's metadata, even with two processes sharing the folder.
         """
         cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
         token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -218,21 +224,33 @@ class FaceIndex:
         meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
                 "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": sha256_of(staged),
                 **(extra or {})}
-        staged.replace(path)
         meta_path = path.with_suffix(".json")
         staged_meta = meta_path.with_name(f"{meta_path.name}.{token}.partial")
         staged_meta.write_text(json.dumps(meta))
         _fsync(staged_meta)
+        staged.replace(path)
         staged_meta.replace(meta_path)
 
     @classmethod
     def load(cls, path: Path, config: IndexConfig | None = None,
              force_tombstones: bool = False) -> tuple[FaceIndex, dict[str, Any]]:
-        """Index and metadata from ``save``; raises OSError/ValueError when missing or inconsistent."""
-        meta = json.loads(path.with_suffix(".json").read_text())
-        if not isinstance(meta, dict) or meta.get("sha256") != sha256_of(path):
-            raise ValueError(f"snapshot {path} does not match its metadata (digest differs)")
-        cpu = faiss.read_index(str(path))
+        """Index and metadata from ``save``; raises OSError/ValueError when missing or inconsistent.
+
+        A digest mismatch is re-checked a few times (``_PAIR_RETRIES``) before it counts, since a
+        concurrent ``save`` renames the index a moment before its metadata.
+        """
+        for attempt in range(_PAIR_RETRIES + 1):
+            meta = json.loads(path.with_suffix(".json").read_text())
+            # one open file is both hashed and read, so the digest covers exactly what is loaded
+            with path.open("rb") as handle:
+                if isinstance(meta, dict) and meta.get("sha256") == sha256_of_handle(handle):
+                    handle.seek(0)
+                    reader = faiss.PyCallbackIOReader(handle.read, 1 << 22)  # type: ignore[attr-defined]
+                    cpu = faiss.read_index(reader)
+                    break
+            if attempt == _PAIR_RETRIES:
+                raise ValueError(f"snapshot {path} does not match its metadata (digest differs)")
+            time.sleep(_PAIR_RETRY_S)
         index = cls(int(meta["dimension"]), config, force_tombstones)
         index.kind, index.nprobe = IndexKind(meta["kind"]), int(meta["nprobe"])
         if index.kind is IndexKind.IVF:

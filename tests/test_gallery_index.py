@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -381,6 +383,44 @@ def test_face_index_snapshot_round_trip(tmp_path: Path, kind: str) -> None:
         np.testing.assert_array_equal(got[1], expected[1])
         np.testing.assert_array_equal(got[0], expected[0])
 
+
+
+def test_snapshot_load_while_another_writer_saves(tmp_path: Path) -> None:
+    """A reader racing a writer on one snapshot path always gets a save's index with its own metadata."""
+    rng = np.random.default_rng(21)
+    # snapshots of different sizes, each tagged with its size as seq: a mixed pair would show
+    versions = []
+    for size in (50, 80, 120):
+        ids = np.arange(size, dtype=np.int64)
+        versions.append(FaceIndex.build(DIM, ids, unit_vectors(rng, size, DIM)))
+    path = tmp_path / "c.faiss"
+    versions[0].save(path, len(versions[0].ids))
+    stop = threading.Event()
+    saves = itertools.count()
+
+    def writer() -> None:
+        for number in itertools.count():
+            if stop.is_set():
+                return
+            version = versions[number % len(versions)]
+            version.save(path, len(version.ids))
+            next(saves)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        loads = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline or loads < 50:
+            loaded, meta = FaceIndex.load(path)
+            assert len(loaded.ids) == meta["seq"] == meta["ids"]
+            assert loaded.ids == set(range(meta["seq"]))
+            loads += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert next(saves) > 20, "the writer never raced the reader"
+    assert not list(tmp_path.glob("*.partial"))
 
 def enroll_clustered(store: GalleryStore, rng: np.random.Generator, name: str, identities: int,
                      per_identity: int, dimension: int, start: int = 0) -> None:
