@@ -156,7 +156,7 @@ class Gallery:
                 written.append(path)
             live = {f"collection-{info.id}" for info in self.store.list_collections()}
             for stale in self.snapshot_dir.glob("collection-*"):
-                if stale.name.split(".")[0] not in live and stale.suffix in (".faiss", ".json"):
+                if stale.name.split(".")[0] not in live and stale.suffix in (".faiss", ".json", ".lock"):
                     stale.unlink(missing_ok=True)
         return written
 

@@ -11,12 +11,14 @@ gallery rebuilds the index from the database.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import math
 import os
-import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -29,10 +31,6 @@ from numpy.typing import NDArray
 from facecore.files import sha256_of, sha256_of_handle
 
 log = logging.getLogger(__name__)
-
-# a concurrent save renames the index a moment before its metadata: how often and how long load waits
-_PAIR_RETRIES = 3
-_PAIR_RETRY_S = 0.05
 
 Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
@@ -212,9 +210,9 @@ class FaceIndex:
     def save(self, path: Path, seq: int, extra: dict[str, Any] | None = None) -> None:
         """Write the index and its metadata (with the index file's sha256), each atomically.
 
-        Both files are staged under names unique to this writer, then renamed one right after the
-        other; ``load`` checks the digest and waits out that short gap, so a reader never pairs one
-        snapshot's index with another's metadata, even with two processes sharing the folder.
+        Both files are staged under names unique to this writer, then renamed together under an
+        exclusive lock on ``<name>.lock``; ``load`` reads the pair under a shared lock, so even two
+        processes sharing the folder never pair one save's index with another's metadata.
         """
         cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
         token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -228,29 +226,23 @@ class FaceIndex:
         staged_meta = meta_path.with_name(f"{meta_path.name}.{token}.partial")
         staged_meta.write_text(json.dumps(meta))
         _fsync(staged_meta)
-        staged.replace(path)
-        staged_meta.replace(meta_path)
+        with _pair_lock(path, exclusive=True):
+            staged.replace(path)
+            staged_meta.replace(meta_path)
 
     @classmethod
     def load(cls, path: Path, config: IndexConfig | None = None,
              force_tombstones: bool = False) -> tuple[FaceIndex, dict[str, Any]]:
-        """Index and metadata from ``save``; raises OSError/ValueError when missing or inconsistent.
-
-        A digest mismatch is re-checked a few times (``_PAIR_RETRIES``) before it counts, since a
-        concurrent ``save`` renames the index a moment before its metadata.
-        """
-        for attempt in range(_PAIR_RETRIES + 1):
+        """Index and metadata from ``save``; raises OSError/ValueError when missing or inconsistent."""
+        with _pair_lock(path, exclusive=False):
             meta = json.loads(path.with_suffix(".json").read_text())
-            # one open file is both hashed and read, so the digest covers exactly what is loaded
-            with path.open("rb") as handle:
-                if isinstance(meta, dict) and meta.get("sha256") == sha256_of_handle(handle):
-                    handle.seek(0)
-                    reader = faiss.PyCallbackIOReader(handle.read, 1 << 22)  # type: ignore[attr-defined]
-                    cpu = faiss.read_index(reader)
-                    break
-            if attempt == _PAIR_RETRIES:
+            handle = path.open("rb")  # an open file keeps this save's index even if a new one is renamed in
+        with handle:
+            if not isinstance(meta, dict) or meta.get("sha256") != sha256_of_handle(handle):
                 raise ValueError(f"snapshot {path} does not match its metadata (digest differs)")
-            time.sleep(_PAIR_RETRY_S)
+            handle.seek(0)  # the bytes just hashed are the ones loaded
+            reader = faiss.PyCallbackIOReader(handle.read, 1 << 22)  # type: ignore[attr-defined]
+            cpu = faiss.read_index(reader)
         index = cls(int(meta["dimension"]), config, force_tombstones)
         index.kind, index.nprobe = IndexKind(meta["kind"]), int(meta["nprobe"])
         if index.kind is IndexKind.IVF:
@@ -280,6 +272,27 @@ def _exact_top10(queries: Vectors, vectors: Vectors, chunk: int = 65536) -> NDAr
         best_scores = np.take_along_axis(best_scores, keep, 1)
         best_rows = np.take_along_axis(best_rows, keep, 1)
     return best_rows
+
+
+@contextlib.contextmanager
+def _pair_lock(path: Path, exclusive: bool) -> Iterator[None]:
+    """flock on ``<snapshot>.lock`` around the moments the index/metadata pair is renamed or opened.
+
+    A reader that cannot create the lock file (a read-only folder) goes on unlocked; the digest
+    check still catches a mixed pair, and the gallery then rebuilds from the database.
+    """
+    try:
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        if exclusive:
+            raise
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _fsync(path: Path) -> None:
