@@ -180,7 +180,8 @@ class Row:
         tried = f"IVF{self.nlist or '?'}, nprobe {self.nprobe or '?'}"
         if self.index == "ivf":
             return tried
-        return f"IVF refused → exact ({tried}: recall {_fmt(self.tuning_recall, 3)})"
+        return (f"IVF refused → exact (IVF{self.nlist or '?'} up to nprobe {self.nprobe or '?'}: "
+                f"recall {_fmt(self.tuning_recall, 3)})")
 
 
 class _IvfLog(logging.Handler):
@@ -217,7 +218,7 @@ def build(vectors: Vectors, config: IndexConfig, row: Row) -> FaceIndex:
     elif config.exact_max < len(vectors):
         row.index, row.tuning_recall = "refused", index.recall
     if handler.args and row.index != "exact":  # nlist, and the last nprobe tried when refused
-        row.nlist, row.nprobe = int(handler.args[0]), int(handler.args[3])
+        row.nlist, row.nprobe = int(handler.args[0]), int(handler.args[4])
     return index
 
 
@@ -361,18 +362,19 @@ def data_table(cases: list[tuple[int, int, DataStats]]) -> str:
 
 
 HOW_TO_READ = """\
-**How to read this.** Each gallery holds N synthetic faces (N/10 identities, 10 faces each); each query is a
-new photo of an enrolled person, at cosine 0.75 to one stored face (its *true match*). *Exact* is a flat
+**How to read this.** Each gallery holds N synthetic faces (N/10 identities, 10 faces each); each query is
+a new photo of an enrolled person, at cosine 0.75 to one stored face (its *true match*). *Exact* is a flat
 inner-product scan (`FaceIndex.build` below `exact_max`): recall 1 by definition, cost linear in N and d.
 *Approximate* is `FaceIndex.build` with `exact_max=0`: it trains IVF and keeps it only when recall@10 on
-its own tuning queries reaches 0.99 scanning at most half of the lists; otherwise it says *refused* and stays
-exact (its build time then includes the wasted IVF attempt). *recall@10* compares the top 10 with the
-exact top 10 on queries the index was not tuned on; *true match@10* is what a face search needs: the
-source face is among the 10 results. Latency is one query per call, sequential (what one API request
-costs); *q/s (batch 64)* is throughput with 64 queries per call. *Snapshot* is the index file
+its own 500 tuning queries, less two standard errors, reaches 0.99 scanning at most half of the lists
+(nprobe tried in steps of about x1.4); otherwise it says *refused*, with the recall at the largest nprobe
+it tried, and stays exact (its build time then includes the wasted IVF attempt). *recall@10* compares the
+top 10 with the exact top 10 on queries the index was not tuned on; *true match@10* is what a face search
+needs: the source face is among the 10 results. Latency is one query per call, sequential (what one API
+request costs); *q/s (batch 64)* is throughput with 64 queries per call. *Snapshot* is the index file
 `FaceIndex.save` writes (the same bytes as `faiss.serialize_index`); *RSS Δ* is the resident memory the
-built index keeps (vectors, FAISS ids and the Python id set); *build peak Δ* is the high-water mark
-during the build (temporary copies). Save and load run against a warm page cache.
+built index keeps (vectors, FAISS ids and the Python id set); *build peak Δ* is the high-water mark during
+the build (temporary copies). Save and load run against a warm page cache.
 """
 
 

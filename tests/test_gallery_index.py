@@ -325,11 +325,15 @@ def test_ivf_chosen_when_recall_reaches_target(caplog: pytest.LogCaptureFixture)
     assert small.kind is IndexKind.FLAT and small.recall is None and not caplog.records
 
 
-@pytest.mark.parametrize(("recall", "kind"), [(0.9899, IndexKind.FLAT), (0.99, IndexKind.IVF)])
+@pytest.mark.parametrize(("recall", "kind"), [(0.9899, IndexKind.FLAT), (0.9920, IndexKind.FLAT),
+                                              (0.9929, IndexKind.IVF)])
 def test_ivf_only_at_target_recall(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                                    recall: float, kind: IndexKind) -> None:
     """The decision follows the measurement: the same clustered data with the measured recall pinned
-    just below / at the 0.99 target."""
+    below the 0.99 target, above it but with a lower bound (500 tuning queries) just under it, and
+    with the lower bound just over it."""
+    bound = index_module.recall_lower_bound(recall, IndexConfig().recall_queries)
+    assert (bound >= 0.99) is (kind is IndexKind.IVF) and abs(bound - 0.99) < 0.003
     rng = np.random.default_rng(5)
     vectors = clustered(rng, 60, 50, 32)
     ids = np.arange(len(vectors), dtype=np.int64)
@@ -344,6 +348,16 @@ def test_ivf_only_at_target_recall(monkeypatch: pytest.MonkeyPatch, caplog: pyte
     _, found = index.search(vectors[:5], 1)
     assert found[:, 0].tolist() == ids[:5].tolist()
 
+
+
+def test_nprobe_steps_and_recall_bound() -> None:
+    steps = index_module._nprobe_steps(4000)
+    assert steps[:9] == [1, 2, 3, 4, 6, 8, 11, 16, 23] and steps[-1] == 4000
+    assert all(1.2 < b / a <= 2 for a, b in itertools.pairwise(steps[:-1]))
+    assert index_module._nprobe_steps(16)[-1] == 16 and index_module._nprobe_steps(1) == [1]
+    # perfect recall has no error; fewer queries widen the margin
+    assert index_module.recall_lower_bound(1.0, 10) == 1.0
+    assert index_module.recall_lower_bound(0.99, 50) < index_module.recall_lower_bound(0.99, 500) < 0.99
 
 def test_ivf_refused_on_unclustered_data(caplog: pytest.LogCaptureFixture) -> None:
     """Uniform random vectors: IVF cannot reach the recall cheaply, so the index stays exact."""
