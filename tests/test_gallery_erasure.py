@@ -57,9 +57,9 @@ def test_dropped_collection_files_are_removed(store: GalleryStore, tmp_path: Pat
     store.delete_collection("drop")
     gallery.sync()
     gallery.snapshot_erasures()
+    keep = store.get_collection("keep").id
     assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == [
-        f"collection-{store.get_collection('keep').id}.faiss",
-        f"collection-{store.get_collection('keep').id}.json"]
+        f"collection-{keep}.faiss", f"collection-{keep}.json", f"collection-{keep}.lock"]
 
 
 def test_an_index_file_paired_with_other_metadata_is_rejected(store: GalleryStore, tmp_path: Path,
