@@ -73,7 +73,8 @@ def recall_lower_bound(recall: float, queries: int, k: int = 10) -> float:
     """Recall measured on ``queries`` probes minus two standard errors (binomial over queries x k).
 
     ``_try_ivf`` stops at the first nprobe that reaches the target, which flatters the figure it
-    stopped on; requiring the lower bound to reach the target keeps recall on new queries at it.
+    stopped on; requiring the lower bound to reach it leaves a margin for new queries (a margin,
+    not a guarantee: see the held-out recall in docs/benchmarks/gallery.md).
     """
     return recall - 2 * math.sqrt(max(recall * (1 - recall), 0.0) / (queries * k))
 
