@@ -21,7 +21,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import socket
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ import cv2
 import numpy as np
 from numpy.typing import NDArray
 
+from bench.common import free_port
 from bench.gallery import machine_description, markdown_table, write_section
 from export.fetch import fetch_photos
 from facecore.spec import ModelSpec
@@ -53,12 +53,6 @@ SOURCES = ("obama.jpg", "obama2.jpg", "obama3.jpg", "biden.jpg")
 MIN_FACE = 90  # pixels: well above the quality gate's 40 after rescaling
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- images ----------------------------------------------------------------------------------------
@@ -312,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-enroll-")))
         url, triton = args.url, f"running server at {args.url}"
         if url is None:
-            ports = TritonPorts(_free_port(), _free_port(), _free_port())
+            ports = TritonPorts(free_port(), free_port(), free_port())
             log_file = ROOT / "artifacts" / "bench-enroll-tritonserver.log"
             url = stack.enter_context(TritonServer(args.repository, ports, log_file=log_file)).grpc_url
             triton = f"bundled tritonserver, repository {args.repository.relative_to(ROOT)}"

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODELS, model_statistics, statistics_delta
+from bench.common import MODELS, free_port, model_statistics, statistics_delta
 from bench.load import closed_loop
 from export.fetch import fetch_photos
 from service.launcher import TritonPorts, TritonServer
@@ -28,12 +27,6 @@ from service.pipeline_client import PipelineClient
 
 ROOT = Path(__file__).resolve().parent.parent
 PHOTOS = {"1 face (obama.jpg, 910x1137)": "obama.jpg", "6 faces (t1.jpg, 1280x886)": "t1.jpg"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def measure(url: str, payload: bytes, seconds: float, concurrency: int) -> dict[str, Any]:
@@ -75,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         url = args.url
         if url is None:
-            ports = TritonPorts(_free_port(), _free_port(), _free_port())
+            ports = TritonPorts(free_port(), free_port(), free_port())
             log_file = ROOT / "artifacts" / "bench-tritonserver.log"
             url = stack.enter_context(TritonServer(args.repository, ports, log_file=log_file)).grpc_url
         results = {

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench.common import free_port
 from bench.load import closed_loop
-from bench.pipeline import _free_port
 from export.defaults import prepare_default_models
 from export.fetch import fetch_photos
 from export.repository import TUNING_DIR, Profile, ProfileTuning, RepositoryPlan, write_repository
@@ -110,7 +110,7 @@ def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: fl
         repository = Path(folder) / "cpu"
         plan = RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=tuning)
         write_repository(plan, repository, models.detector_file, models.embedder_file)
-        ports = TritonPorts(_free_port(), _free_port(), _free_port())
+        ports = TritonPorts(free_port(), free_port(), free_port())
         with TritonServer(repository, ports, log_file=work / "tune-tritonserver.log") as server:
             client = PipelineClient(server.grpc_url)
             counter = {"i": 0}

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import onnx
 import pytest
 
+from bench.plain import SHIPPED_SFACE, build_embedder, prelu_nodes
 from export.defaults import DefaultModels
-from export.onnx_tools import fold_weight_dequantization, make_batch_dynamic, save_checked
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.pipeline import PipelineSettings, run_pipeline
 from facecore.processing import FloatArray
@@ -33,9 +32,11 @@ def embeddings(settings: PipelineSettings, detector_file: Path, embedder_file: P
 
 @pytest.fixture(scope="module")
 def plain_embedder(default_models: DefaultModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    shipped = default_models.embedder_file.parent / "sface_2021dec.int8bq.b1.112x112.onnx"
-    model = make_batch_dynamic(fold_weight_dequantization(onnx.load(str(shipped))))
-    return save_checked(model, tmp_path_factory.mktemp("plain") / "sface_prelu.onnx")
+    """SFace converted the way the benchmark's plain baseline converts it (PReLU kept)."""
+    shipped = default_models.embedder_file.parent / SHIPPED_SFACE.name
+    target = tmp_path_factory.mktemp("plain") / "sface_prelu.onnx"
+    assert build_embedder(shipped, target) and prelu_nodes(target) > 0
+    return target
 
 
 def test_reduced_work_keeps_every_decision(default_models: DefaultModels, plain_embedder: Path,
