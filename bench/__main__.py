@@ -48,7 +48,7 @@ from bench.common import (
     served_models,
 )
 from export.fetch import fetch_photos
-from service.pipeline_client import PipelineClient
+from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
 

@@ -47,6 +47,7 @@ from bench import plain as plain_part
 from bench.common import ARTIFACTS, PHOTOS, ServedModels, photo_label, served_models
 from bench.gallery import markdown_table
 from export.fetch import fetch_photos
+from facecore.contract import Faces
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.pipeline import PipelineSettings, detector_input_size, run_pipeline
 from facecore.processing import (
@@ -81,7 +82,7 @@ def decode(data: bytes, settings: PipelineSettings) -> tuple[ImageArray, tuple[i
 
 
 def process(payloads: Sequence[bytes], settings: PipelineSettings, detector: pipeline_module.Detector,
-            embedder: pipeline_module.Embedder) -> list[pipeline_module.FaceResult]:
+            embedder: pipeline_module.Embedder) -> list[Faces]:
     """What ``face_pipeline`` does for one execute of these images (decode + ``run_pipeline``)."""
     decoded = [decode(data, settings) for data in payloads]
     sizes = [size for _, size in decoded]
@@ -208,7 +209,7 @@ def stage_split(models: ServedModels, settings: PipelineSettings, data: bytes, t
     """decode + ``run_pipeline`` for one image, with a timer around every step; medians over ``repeats``."""
     detector = OnnxDetector(settings.detector, create_session(models.detector_file, threads))
     embedder = OnnxEmbedder(settings.embedder, create_session(models.embedder_file, threads))
-    faces = len(process([data], settings, detector, embedder)[0].detections)  # warm-up
+    faces = len(process([data], settings, detector, embedder)[0])  # warm-up
     runs: list[tuple[float, dict[str, float]]] = []
     for _ in range(max(repeats, 1)):
         timer = StageTimer()

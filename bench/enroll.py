@@ -8,7 +8,7 @@ Images: N distinct JPEGs made from obama.jpg, obama2.jpg, obama3.jpg and biden.j
 around the face, rescaling, a small colour shift, a random JPEG quality), each checked to hold exactly
 one face; identities of --per-identity images. The raw run sends the same bytes through
 ``face_pipeline`` with the same number of requests in flight (asking for crops, as the importer does);
-the import runs ``gallery.importer.Importer`` into a fresh SQLite database (and, with --database-url,
+the import runs ``recognition.importer.Importer`` into a fresh SQLite database (and, with --database-url,
 a fresh collection there, deleted afterwards). The ratio import / raw is what the importer costs on
 top of inference: reading and hashing files, the quality gate, PNG crops, the database writes.
 Target: >= 0.9 (the store must not be the bottleneck). Writes a Markdown section to --out.
@@ -40,13 +40,13 @@ from numpy.typing import NDArray
 from bench.common import free_port
 from bench.gallery import machine_description, markdown_table, write_section
 from export.fetch import fetch_photos
+from facecore.client import AsyncPipelineClient
 from facecore.spec import ModelSpec
 from gallery.__main__ import open_store
 from gallery.db import Database
-from gallery.importer import Importer, ImportItem, ImportOptions, Status
 from gallery.store import FaceInfo, GalleryStore, IdentityInfo, NewFace
+from recognition.importer import Importer, ImportItem, ImportOptions, Status
 from service.launcher import TritonPorts, TritonServer
-from service.pipeline_client import AsyncPipelineClient
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("obama.jpg", "obama2.jpg", "obama3.jpg", "biden.jpg")
@@ -264,7 +264,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 HOW_TO_READ = """\
 **How to read this.** *face_pipeline (raw)* sends every image once through Triton with the same number of
-requests in flight as the importer; *import* is `gallery.importer.Importer` doing the whole job (read and
+requests in flight as the importer; *import* is `recognition.importer.Importer` doing the whole job (read and
 hash the file, the same inference, the quality gate, PNG crops, one transaction per identity). *vs raw*
 is the import's throughput divided by the raw one (target >= 0.9). *DB writes* is the summed wall time of
 the store's `add_faces` calls (they run in threads, overlapped with inference: a share near 100 % means

@@ -113,7 +113,7 @@ def embed(request: Request, image: Annotated[UploadFile, File()]) -> dict[str, A
     sizes = [original_size(data, decoded)] if settings.decode_min_side else None
     (result,) = run_pipeline([decoded], [settings.default_options], settings, models.detector,
                              models.embedder, sizes)
-    found = result.detections
+    found = result
     return {
         "width": result.width,
         "height": result.height,

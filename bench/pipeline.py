@@ -22,8 +22,8 @@ from typing import Any
 from bench.common import MODELS, free_port, model_statistics, statistics_delta
 from bench.load import closed_loop
 from export.fetch import fetch_photos
+from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
-from service.pipeline_client import PipelineClient
 
 ROOT = Path(__file__).resolve().parent.parent
 PHOTOS = {"1 face (obama.jpg, 910x1137)": "obama.jpg", "6 faces (t1.jpg, 1280x886)": "t1.jpg"}

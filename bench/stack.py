@@ -58,8 +58,8 @@ from bench.common import (
 from bench.gallery import markdown_table
 from bench.load import closed_loop
 from export.fetch import fetch_photos
+from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
-from service.pipeline_client import PipelineClient
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from bench.load import closed_loop
 from export.defaults import prepare_default_models
 from export.fetch import fetch_photos
 from export.repository import TUNING_DIR, Profile, ProfileTuning, RepositoryPlan, write_repository
+from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
-from service.pipeline_client import PipelineClient
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench.tune")

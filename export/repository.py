@@ -23,13 +23,20 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from facecore.contract import (
+    DETECTOR_MODEL,
+    EMBEDDER_MODEL,
+    PIPELINE_MODEL,
+    TensorSpec,
+    pipeline_inputs,
+    pipeline_outputs,
+)
 from facecore.pipeline import PipelineSettings
 from facecore.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent.parent / "model_repository"
-DETECTOR, EMBEDDER, PIPELINE = "face_detector", "face_embedder", "face_pipeline"
 
 
 class Profile(StrEnum):
@@ -67,9 +74,8 @@ class ProfileTuning:
 
     @staticmethod
     def builtin(profile: Profile) -> ProfileTuning:
+        """Starting points before any measurement; ``export/tuning/<profile>.json``, when present, wins."""
         if profile is Profile.CPU:
-            # Two cores: one instance per model, ONNX Runtime on both cores; short queue delays because
-            # on this CPU the per-item cost does not fall with batch size (batching saves overhead only).
             return ProfileTuning(
                 detector=Batching(8, (4, 8), 1000),
                 embedder=Batching(64, (16, 32, 64), 1000),
@@ -163,21 +169,19 @@ def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: 
     return config
 
 
+def _config_type(tensor: TensorSpec) -> int:
+    return int(mc.DataType.Value(tensor.dtype.config_name))
+
+
 def _pipeline_config(plan: RepositoryPlan, settings: PipelineSettings) -> mc.ModelConfig:
-    config = _base_config(PIPELINE, plan.effective_tuning.pipeline, mc.ModelInstanceGroup.KIND_CPU)
+    config = _base_config(PIPELINE_MODEL, plan.effective_tuning.pipeline, mc.ModelInstanceGroup.KIND_CPU)
     config.backend = "python"
+    for tensor in pipeline_inputs():
+        config.input.add(name=tensor.name, data_type=_config_type(tensor), dims=tensor.dims,
+                         optional=tensor.optional)
     crop = settings.embedder.input_size[0]
-    config.input.add(name="IMAGE", data_type=mc.TYPE_STRING, dims=[1])
-    for name, dtype in (("SCORE_THRESHOLD", mc.TYPE_FP32), ("MAX_FACES", mc.TYPE_INT32),
-                        ("MIN_FACE_SIZE", mc.TYPE_FP32), ("RETURN_CROPS", mc.TYPE_BOOL)):
-        config.input.add(name=name, data_type=dtype, dims=[1], optional=True)
-    outputs = {"BOXES": (mc.TYPE_FP32, [-1, 4]), "SCORES": (mc.TYPE_FP32, [-1]),
-               "LANDMARKS": (mc.TYPE_FP32, [-1, 5, 2]),
-               "EMBEDDINGS": (mc.TYPE_FP32, [-1, settings.embedder.embedding_dim]),
-               "BLUR": (mc.TYPE_FP32, [-1]), "IMAGE_SIZE": (mc.TYPE_INT32, [2]),
-               "CROPS": (mc.TYPE_UINT8, [-1, crop, crop, 3])}
-    for name, (dtype, dims) in outputs.items():
-        config.output.add(name=name, data_type=dtype, dims=dims)
+    for tensor in pipeline_outputs(settings.embedder.embedding_dim, crop):
+        config.output.add(name=tensor.name, data_type=_config_type(tensor), dims=tensor.dims)
     # No model_warmup here: BLS calls are refused while the server is still loading models
     # ("Server not ready"). The networks warm up themselves; initialize() warms the Python side.
     _set_parameters(config, settings.to_parameters())
@@ -217,9 +221,11 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
     options = {**tuning.pipeline_options, **{k: str(v) for k, v in plan.pipeline_overrides.items()}}
     settings = PipelineSettings.from_parameters({**base.to_parameters(), **options})
     models = {
-        DETECTOR: (_network_config(DETECTOR, settings.detector, plan, tuning.detector), detector_file),
-        EMBEDDER: (_network_config(EMBEDDER, settings.embedder, plan, tuning.embedder), embedder_file),
-        PIPELINE: (_pipeline_config(plan, settings), None),
+        DETECTOR_MODEL: (_network_config(DETECTOR_MODEL, settings.detector, plan, tuning.detector),
+                         detector_file),
+        EMBEDDER_MODEL: (_network_config(EMBEDDER_MODEL, settings.embedder, plan, tuning.embedder),
+                         embedder_file),
+        PIPELINE_MODEL: (_pipeline_config(plan, settings), None),
     }
     for name, (config, _) in models.items():
         _check_compatible(out / name, config)

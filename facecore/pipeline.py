@@ -2,8 +2,9 @@
 
 The two network calls are injected (``Detector`` / ``Embedder``): inside Triton they are BLS calls
 (``model_repository/face_pipeline``), in tools and benchmarks they are ONNX Runtime sessions.
-One detector call covers every image of the batch and one embedder call every face of every image
-(each split only when above the model's maximum batch).
+The detector is called once per detector input size among the batch's images (one call for all of
+them when the input size is fixed, as for TensorRT engines), and the embedder once for every face of
+every image; each call is split only when above the model's maximum batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from facecore.contract import DETECTOR_MODEL, EMBEDDER_MODEL, Faces
+from facecore.limits import DEFAULT_LIMITS
 from facecore.processing import (
     Detections,
     DetectOptions,
@@ -52,11 +55,11 @@ class PipelineSettings:
     embedder_max_batch: int = 64
     score_threshold: float = 0.5
     nms_iou: float = 0.4
-    max_faces: int = 100
+    max_faces: int = DEFAULT_LIMITS.max_faces
     min_face_size: float = 0.0
-    max_pixels: int = 40_000_000
-    detector_model: str = "face_detector"
-    embedder_model: str = "face_embedder"
+    max_pixels: int = DEFAULT_LIMITS.max_pixels
+    detector_model: str = DETECTOR_MODEL
+    embedder_model: str = EMBEDDER_MODEL
     #: True: the detector input follows each image's aspect ratio (multiples of 32, longer side at most
     #: the description's size) and shrinks when a minimum face size allows. False: always the fixed
     #: size (TensorRT engines built for 640x640).
@@ -116,18 +119,6 @@ def _parse_bool(raw: str) -> bool:
     if raw.strip().lower() in ("false", "0", "no"):
         return False
     raise ValueError(f"not a boolean: {raw!r}")
-
-
-@dataclass(frozen=True)
-class FaceResult:
-    """Pipeline output for one image."""
-
-    detections: Detections
-    embeddings: FloatArray  # [N, D], L2-normalized
-    blur: FloatArray  # [N], variance of the Laplacian of the aligned crop
-    crops: ImageArray  # [N, S, S, 3] aligned crops, BGR
-    width: int
-    height: int
 
 
 def validate_options(
@@ -209,14 +200,11 @@ def embed(crops: ImageArray, settings: PipelineSettings, embedder: Embedder) -> 
     return l2_normalize(raw)
 
 
-def _to_original(result: FaceResult, size: tuple[int, int]) -> FaceResult:
+def _to_original(faces: Faces, size: tuple[int, int]) -> Faces:
     """Map a result computed on a reduced decode back to the original image's pixels."""
-    sx, sy = size[0] / result.width, size[1] / result.height
-    found = result.detections
-    factors = np.array([sx, sy], dtype=np.float32)
-    detections = Detections(boxes=found.boxes * np.tile(factors, 2), scores=found.scores,
-                            landmarks=found.landmarks * factors)
-    return replace(result, detections=detections, width=size[0], height=size[1])
+    factors = np.array([size[0] / faces.width, size[1] / faces.height], dtype=np.float32)
+    return replace(faces, boxes=faces.boxes * np.tile(factors, 2), landmarks=faces.landmarks * factors,
+                   width=size[0], height=size[1])
 
 
 def run_pipeline(
@@ -226,7 +214,7 @@ def run_pipeline(
     detector: Detector,
     embedder: Embedder,
     original_sizes: Sequence[tuple[int, int]] | None = None,
-) -> list[FaceResult]:
+) -> list[Faces]:
     """Decoded BGR images -> faces with embeddings, one result per image, in order.
 
     ``original_sizes`` (width, height) are given when images were decoded at reduced scale: options
@@ -246,8 +234,10 @@ def run_pipeline(
     blur = blur_scores(all_crops)
     bounds = np.cumsum([0, *(len(found) for found in detections)])
     results = [
-        FaceResult(
-            detections=found,
+        Faces(
+            boxes=found.boxes,
+            scores=found.scores,
+            landmarks=found.landmarks,
             embeddings=embeddings[bounds[i] : bounds[i + 1]],
             blur=blur[bounds[i] : bounds[i + 1]],
             crops=crops[i],

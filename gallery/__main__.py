@@ -1,6 +1,10 @@
 """``python -m gallery``: migrate, create collections, import folders, rebuild/snapshot indexes, re-embed.
 
-The database URL comes from --database-url or FACEREC_DATABASE__URL (default: SQLite in data/).
+Defaults come from the settings every entry point reads (``facecore/settings.py``): the database URL
+from FACEREC_DATABASE__URL or FACEREC_DB_* (else SQLite in data/), the snapshots from
+FACEREC_GALLERY__SNAPSHOT_DIR, Triton from FACEREC_TRITON__URL, the quality gate from
+FACEREC_QUALITY__*. This module is a command line (the top layer): the batch import itself is
+``recognition.importer``.
 """
 
 from __future__ import annotations
@@ -8,20 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
-from facecore.quality import QualityThresholds
+from facecore.client import AsyncPipelineClient, PipelineClient
+from facecore.settings import Settings, load_settings
 from gallery.db import Database, create_db_engine, migrate
 from gallery.errors import GalleryError
 from gallery.store import GalleryStore
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DB = os.environ.get("FACEREC_DATABASE__URL", f"sqlite:///{ROOT / 'data' / 'gallery.db'}")
-DEFAULT_SNAPSHOTS = Path(os.environ.get("FACEREC_GALLERY__SNAPSHOT_DIR", str(ROOT / "data" / "index")))
-DEFAULT_TRITON = os.environ.get("FACEREC_TRITON__URL", "127.0.0.1:8001")
 
 log = logging.getLogger("gallery")
 
@@ -41,8 +41,6 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _create_collection(args: argparse.Namespace) -> int:
-    from service.pipeline_client import PipelineClient
-
     store = open_store(args.database_url)
     if args.model is None:
         client = PipelineClient(args.url)
@@ -62,15 +60,22 @@ def _create_collection(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from gallery.importer import Importer, ImportOptions, read_manifest, scan_folder, write_report
-    from service.pipeline_client import AsyncPipelineClient
+    from recognition.importer import (
+        Importer,
+        ImportOptions,
+        ItemResult,
+        read_manifest,
+        scan_folder,
+        write_report,
+    )
 
     store = open_store(args.database_url)
     items = scan_folder(args.folder) if args.folder else read_manifest(args.manifest)
-    limits = QualityThresholds(min_face_size=args.min_face_size, min_blur=args.min_blur)
+    quality = replace(args.settings.quality.thresholds(), min_face_size=args.min_face_size,
+                      min_blur=args.min_blur)
 
-    async def run() -> list:  # type: ignore[type-arg]
-        client = AsyncPipelineClient(args.url)
+    async def run() -> list[ItemResult]:
+        client = AsyncPipelineClient(args.url, args.settings.triton.timeout_s)
         try:
             spec = await client.embedder()
             try:
@@ -80,7 +85,7 @@ def _import(args: argparse.Namespace) -> int:
                     raise
                 store.create_collection(args.collection, spec.name, spec.embedding_dim, spec.match_threshold)
             options = ImportOptions(args.collection, spec.name, args.concurrency, args.dry_run,
-                                    args.largest_face, limits)
+                                    args.largest_face, quality)
             return await Importer(store, client, options).run(items, show_progress=not args.quiet)
         finally:
             await client.close()
@@ -114,28 +119,32 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _reembed(args: argparse.Namespace) -> int:
-    import tritonclient.grpc as grpcclient
-
     from gallery.reembed import reembed_collection
-    from service.pipeline_client import PipelineClient
 
     store = open_store(args.database_url)
-    pipeline = PipelineClient(args.url)
-    spec = pipeline.embedder()
-    pipeline.close()
-    count = reembed_collection(store, args.collection, grpcclient.InferenceServerClient(args.url), spec)
+    pipeline = PipelineClient(args.url, args.settings.triton.timeout_s)
+    try:
+        count = reembed_collection(store, args.collection, pipeline, spec := pipeline.embedder())
+    finally:
+        pipeline.close()
     print(f"re-embedded {count} faces of {args.collection} with {spec.name}")
     return 0
 
 
-def _triton_argument(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--url", default=DEFAULT_TRITON, help="Triton gRPC address (default: %(default)s)")
+def _triton_argument(command: argparse.ArgumentParser, settings: Settings) -> None:
+    command.add_argument("--url", default=settings.triton.url,
+                         help="Triton gRPC address (default: FACEREC_TRITON__URL or %(default)s)")
 
 
-def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="python -m gallery", description=__doc__)
-    root.add_argument("--database-url", default=DEFAULT_DB, help="SQLAlchemy URL (default: %(default)s)")
-    root.add_argument("--snapshot-dir", type=Path, default=DEFAULT_SNAPSHOTS, help="index snapshots")
+def parser(settings: Settings | None = None) -> argparse.ArgumentParser:
+    settings = settings or load_settings(Settings)
+    root = argparse.ArgumentParser(prog="python -m gallery", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    root.set_defaults(settings=settings)
+    root.add_argument("--database-url", default=settings.database.url,
+                      help="SQLAlchemy URL (default: the settings' database, %(default)s)")
+    root.add_argument("--snapshot-dir", type=Path, default=settings.gallery.snapshot_dir,
+                      help="index snapshots (default: %(default)s)")
     root.add_argument("-v", "--verbose", action="store_true")
     sub = root.add_subparsers(dest="command", required=True)
 
@@ -143,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("create-collection", help="create a collection for the served model (or --model ...)")
     p.add_argument("name")
-    _triton_argument(p)
+    _triton_argument(p, settings)
     p.add_argument("--model", help="embedding model id (default: ask Triton which model it serves)")
     p.add_argument("--dimension", type=int, default=128)
     p.add_argument("--threshold", type=float, help="match threshold (default: the model's)")
@@ -156,14 +165,16 @@ def parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--folder", type=Path)
     source.add_argument("--manifest", type=Path, help="CSV with columns path,external_id,name")
-    _triton_argument(p)
+    _triton_argument(p, settings)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight to Triton (default: 8)")
     p.add_argument("--dry-run", action="store_true", help="detect and check every image, write nothing")
     p.add_argument("--report", type=Path, help="per-file report (.csv or .json)")
     p.add_argument("--largest-face", action="store_true", help="enroll the largest face of group photos")
     p.add_argument("--create-collection", action="store_true", help="create the collection when missing")
-    p.add_argument("--min-face-size", type=float, default=QualityThresholds.min_face_size)
-    p.add_argument("--min-blur", type=float, default=QualityThresholds.min_blur)
+    p.add_argument("--min-face-size", type=float, default=settings.quality.min_face_size,
+                   help="quality gate: shorter box side in pixels (default: %(default)s)")
+    p.add_argument("--min-blur", type=float, default=settings.quality.min_blur,
+                   help="quality gate: variance of the Laplacian (default: %(default)s)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_import)
 
@@ -175,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reembed", help="re-embed a collection from its stored crops with the served model")
     p.add_argument("--collection", required=True)
-    _triton_argument(p)
+    _triton_argument(p, settings)
     p.set_defaults(run=_reembed)
     return root
 

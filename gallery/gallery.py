@@ -19,10 +19,9 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from gallery.embeddings import validate_embeddings
-from gallery.errors import ModelMismatch
 from gallery.index import FaceIndex, IndexConfig
 from gallery.models import ChangeOp
-from gallery.store import Change, CollectionInfo, GalleryStore
+from gallery.store import Change, CollectionInfo, GalleryStore, check_model
 
 log = logging.getLogger(__name__)
 
@@ -255,18 +254,26 @@ class Gallery:
     def face_ids(self, collection: str) -> set[int]:
         return self._entry(collection).index.ids
 
+    def cached_info(self, collection: str) -> CollectionInfo | None:
+        """The collection as this gallery holds it, without touching the database or the lock
+        (None when not loaded here yet). Safe from the event loop: copying the dict's values is atomic."""
+        entries = list(self._collections.values())
+        return next((entry.info for entry in entries if entry.info.name == collection), None)
+
+    def collection_info(self, collection: str) -> CollectionInfo:
+        """The collection, loading its index first when needed; ``NotFound`` when it does not exist."""
+        return self._entry(collection).info
+
     def search(self, collection: str, queries: ArrayLike, k: int = 5, threshold: float | None = None,
                embedding_model: str | None = None) -> list[SearchResult]:
         """Top-k identities (best face each) per query, with the match decision at ``threshold``
-        (default: the collection's)."""
+        (default: the collection's). With ``embedding_model``, queries of another model are refused."""
         if k < 1:
             raise ValueError("k must be >= 1")
         entry = self._entry(collection)
         info = entry.info
-        if embedding_model is not None and embedding_model != info.embedding_model:
-            raise ModelMismatch(f"collection {collection!r} holds {info.embedding_model} embeddings, "
-                                f"queries are {embedding_model}",
-                                expected=info.embedding_model, got=embedding_model)
+        if embedding_model is not None:
+            check_model(info, embedding_model)
         matrix = validate_embeddings(queries, info.dimension)
         with self._lock:
             best = [self._best_identities(entry, query, k) for query in matrix]
@@ -293,8 +300,6 @@ class Gallery:
             fetch = min(total, fetch * 4)
 
     def require_model(self, collection: str, embedding_model: str) -> CollectionInfo:
-        info = self._entry(collection).info
-        if info.embedding_model != embedding_model:
-            raise ModelMismatch(f"collection {collection!r} holds {info.embedding_model} embeddings, "
-                                f"not {embedding_model}", expected=info.embedding_model, got=embedding_model)
+        info = self.collection_info(collection)
+        check_model(info, embedding_model)
         return info

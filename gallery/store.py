@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gallery.db import Database
 from gallery.embeddings import decode_vector, encode_vector, validate_embeddings
-from gallery.errors import Conflict, ModelMismatch, NotFound
+from gallery.errors import Conflict, CropsMissing, ModelMismatch, NotFound
 from gallery.models import ChangeOp, Collection, Face, FaceChange, Identity
 
 
@@ -76,6 +76,13 @@ class Change:
     face_id: int
     identity_id: int
     op: ChangeOp
+
+
+def check_model(info: CollectionInfo, embedding_model: str) -> None:
+    """``ModelMismatch`` unless the collection holds embeddings of ``embedding_model``."""
+    if info.embedding_model != embedding_model:
+        raise ModelMismatch(f"collection {info.name!r} holds {info.embedding_model} embeddings, "
+                            f"not {embedding_model}", expected=info.embedding_model, got=embedding_model)
 
 
 def _collection_info(row: Collection) -> CollectionInfo:
@@ -211,11 +218,7 @@ class GalleryStore:
         identity is created first when missing. Either every face is stored, or none."""
         with self.db.write() as session:
             owner = self._collection(session, collection)
-            if embedding_model != owner.embedding_model:
-                raise ModelMismatch(
-                    f"collection {collection!r} holds {owner.embedding_model} embeddings, "
-                    f"not {embedding_model}",
-                    expected=owner.embedding_model, got=embedding_model)
+            check_model(_collection_info(owner), embedding_model)  # in the transaction: a re-embed may race
             vectors = validate_embeddings([f.embedding for f in faces], owner.dimension)
             identity = session.scalar(select(Identity).where(Identity.collection_id == owner.id,
                                                              Identity.external_id == external_id))
@@ -259,6 +262,43 @@ class GalleryStore:
         with self.db.read() as session:
             owner = self._collection(session, collection)
             return set(session.scalars(select(Face.image_sha256).where(Face.collection_id == owner.id)))
+
+    # --- re-embedding --------------------------------------------------------------------------
+
+    def stored_crops(self, collection: str) -> tuple[list[int], list[bytes]]:
+        """Face ids and PNG crops of a whole collection; ``CropsMissing`` when any face has none."""
+        with self.db.read() as session:
+            owner = self._collection(session, collection)
+            missing = session.scalar(select(func.count()).where(Face.collection_id == owner.id,
+                                                                Face.crop.is_(None))) or 0
+            if missing:
+                raise CropsMissing(f"{missing} face(s) of {collection!r} have no stored crop: re-embedding "
+                                   "needs the aligned crops (collections created with keep_crops=false "
+                                   "cannot be re-embedded; re-import the images instead)",
+                                   faces_without_crop=int(missing))
+            rows = session.execute(select(Face.id, Face.crop).where(Face.collection_id == owner.id)
+                                   .order_by(Face.id)).all()
+        return [r[0] for r in rows], [r[1] for r in rows if r[1] is not None]  # none is NULL (checked)
+
+    def replace_embeddings(self, collection: str, face_ids: Sequence[int], vectors: NDArray[np.float32],
+                           embedding_model: str, dimension: int, match_threshold: float) -> None:
+        """Give every face of the collection its new vector and the collection its new model, in one
+        transaction, with a DROP in the change log so every index replica rebuilds it. ``Conflict`` when
+        the collection's faces are not exactly ``face_ids`` any more."""
+        matrix = validate_embeddings(vectors, dimension) if len(face_ids) else vectors
+        with self.db.write() as session:
+            owner = session.scalar(select(Collection).where(Collection.name == collection))
+            current = (set(session.scalars(select(Face.id).where(Face.collection_id == owner.id)))
+                       if owner else set())
+            if owner is None or current != set(face_ids):
+                raise Conflict(f"collection {collection!r} changed during re-embedding; run it again")
+            if face_ids:
+                session.execute(update(Face), [{"id": face_id, "embedding": encode_vector(vector),
+                                                "embedding_model": embedding_model}
+                                               for face_id, vector in zip(face_ids, matrix, strict=True)])
+            owner.embedding_model, owner.dimension, owner.match_threshold = (embedding_model, dimension,
+                                                                             match_threshold)
+            self._log(session, owner.id, [(0, 0)], ChangeOp.DROP)
 
     # --- change log and bulk reads for the index ---------------------------------------------
 

@@ -15,21 +15,21 @@ import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
+from facecore.settings import ROOT, GatewaySettings, load_settings
 from service.launcher import TritonPorts, TritonServer, TritonStartError
 from service.logs import configure_logging
-from service.settings import ROOT
 
 log = logging.getLogger("service")
 
 
-def admin_key(path: Path) -> str:
-    """The admin key from the environment, else from ``path`` (created on first use)."""
-    from_env = os.environ.get("FACEREC_SECURITY__ADMIN_KEY")
-    if from_env:
-        return from_env
+def admin_key(path: Path) -> str | None:
+    """The admin key from ``path`` (created on first use) when the environment has none."""
+    if os.environ.get("FACEREC_SECURITY__ADMIN_KEY"):
+        return None
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_urlsafe(32) + "\n")
@@ -54,17 +54,15 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=("HTTP", "GRPC", "METRICS"), help="ports of the bundled Triton")
     parser.add_argument("--admin-key-file", type=Path, default=ROOT / "data" / "admin_key")
     args = parser.parse_args(argv)
-    configure_logging(os.environ.get("FACEREC_LOG_LEVEL", "INFO"),
-                      os.environ.get("FACEREC_LOG_JSON", "false").lower() in ("1", "true", "yes"))
-    from_env = bool(os.environ.get("FACEREC_SECURITY__ADMIN_KEY"))
-    os.environ["FACEREC_SECURITY__ADMIN_KEY"] = admin_key(args.admin_key_file)
+    from_file = admin_key(args.admin_key_file)
+    overrides: dict[str, Any] = {} if from_file is None else {"security": {"admin_key": from_file}}
+    settings = load_settings(GatewaySettings, **overrides)
+    configure_logging(settings.log_level, settings.log_json)
     from service.app import create_app
-    from service.settings import Settings
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with ExitStack() as stack:
-        triton_url = args.triton_url
-        if triton_url is None:
+        if args.triton_url is None:
             server = TritonServer(args.model_repository, TritonPorts(*args.triton_ports),
                                   log_file=ROOT / "data" / "tritonserver.log")
             try:
@@ -73,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("%s (log: data/tritonserver.log)", exc)
                 return 1
             triton_url = server.grpc_url
-        os.environ["FACEREC_TRITON__URL"] = triton_url
-        settings = Settings()  # the admin key comes from the environment
+        else:
+            triton_url = args.triton_url
+        triton = settings.triton.model_copy(update={"url": triton_url})
+        settings = settings.model_copy(update={"triton": triton})
         base = f"http://{args.host}:{args.port}"
-        where = "FACEREC_SECURITY__ADMIN_KEY" if from_env else str(args.admin_key_file)
+        where = "FACEREC_SECURITY__ADMIN_KEY" if from_file is None else str(args.admin_key_file)
         print(f"\n  API docs:  {base}/docs\n  admin key: in {where}"
               f"\n  example:   curl -H \"X-API-Key: $(cat {args.admin_key_file})\" {base}/v1/collections\n",
               flush=True)

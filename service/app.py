@@ -19,19 +19,19 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from facecore.client import AsyncPipelineClient
+from facecore.settings import GatewaySettings
 from gallery.db import Database, create_db_engine, migrate
 from gallery.gallery import Gallery
 from gallery.index import IndexConfig
 from gallery.store import GalleryStore
+from recognition.usecases import Recognition
 from service.auth import KeyStore
 from service.errors import error_response, install_error_handlers
 from service.images import BodySizeLimit
 from service.logs import request_id
 from service.metrics import Metrics
-from service.pipeline_client import AsyncPipelineClient
-from service.recognition import FaceService
 from service.routers import collections, demo, health, identities, recognition
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ async def _snapshot_periodically(gallery: Gallery, interval: float, erasure_dela
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    settings: Settings = app.state.settings
+    settings: GatewaySettings = app.state.settings
     engine = create_db_engine(settings.database.url)
     await asyncio.to_thread(migrate, engine)
     db = Database(engine)
@@ -80,11 +80,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await asyncio.to_thread(gallery.load)
     gallery.start_follower(settings.gallery.follow_interval_s)
     pipeline = AsyncPipelineClient(settings.triton.url, settings.triton.timeout_s)
-    app.state.store, app.state.gallery = store, gallery
+    app.state.store, app.state.gallery, app.state.pipeline = store, gallery, pipeline
     app.state.keys = KeyStore(db, settings.security.admin_key.get_secret_value())
-    app.state.metrics.watch_gallery(gallery.sizes)
-    app.state.faces = FaceService(pipeline, gallery, store, app.state.metrics, settings.quality.thresholds(),
-                                  settings.limits.max_faces, settings.limits.max_k)
+    metrics: Metrics = app.state.metrics
+    metrics.watch_gallery(gallery.sizes)
+    app.state.faces = Recognition(pipeline, gallery, store, settings.limits.max_faces,
+                                  metrics.observe_pipeline)
     snapshots = asyncio.create_task(_snapshot_periodically(
         gallery, settings.gallery.snapshot_interval_s, settings.gallery.erasure_snapshot_delay_s))
     log.info("gateway ready: triton %s, database %s", settings.triton.url, engine.url.render_as_string())
@@ -100,7 +101,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.dispose()
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="facerec-triton", version="1.0.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = Metrics()

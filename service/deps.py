@@ -4,28 +4,28 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Query, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
+from facecore.settings import GatewaySettings
 from gallery.gallery import Gallery
 from gallery.store import GalleryStore
+from recognition.usecases import Recognition
 from service.auth import KeyStore, Principal
-from service.errors import Forbidden, Unauthorized
-from service.recognition import FaceService
-from service.settings import Settings
+from service.errors import ApiError, Forbidden, Unauthorized
 
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="admin or collection key")
 _bearer = HTTPBearer(auto_error=False, description="the same key as a bearer token")
 
 
-def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
+def get_settings(request: Request) -> GatewaySettings:
+    settings: GatewaySettings = request.app.state.settings
     return settings
 
 
-def get_service(request: Request) -> FaceService:
-    service: FaceService = request.app.state.faces
+def get_service(request: Request) -> Recognition:
+    service: Recognition = request.app.state.faces
     return service
 
 
@@ -44,8 +44,8 @@ def get_keys(request: Request) -> KeyStore:
     return keys
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-ServiceDep = Annotated[FaceService, Depends(get_service)]
+SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
+ServiceDep = Annotated[Recognition, Depends(get_service)]
 StoreDep = Annotated[GalleryStore, Depends(get_store)]
 GalleryDep = Annotated[Gallery, Depends(get_gallery)]
 KeysDep = Annotated[KeyStore, Depends(get_keys)]
@@ -84,3 +84,19 @@ async def collection_access(collection: str, caller: CallerDep) -> Principal:
 
 AdminDep = Annotated[Principal, Depends(admin)]
 CollectionAccessDep = Annotated[Principal, Depends(collection_access)]
+
+
+K_DESCRIPTION = "candidates per face, at most the max_k setting (FACEREC_LIMITS__MAX_K, default 100)"
+
+
+async def top_k(settings: SettingsDep, k: Annotated[int, Query(ge=1, description=K_DESCRIPTION)] = 5) -> int:
+    """``k`` within the configured limit (a setting, so not a static bound of the schema)."""
+    limit = settings.limits.max_k
+    if k > limit:
+        error = {"loc": ["query", "k"], "msg": f"Input should be less than or equal to {limit}",
+                 "type": "less_than_equal"}
+        raise ApiError("the request is not valid", code="validation_error", status=422, errors=[error])
+    return k
+
+
+TopKDep = Annotated[int, Depends(top_k)]

@@ -16,8 +16,9 @@ from pydantic import BaseModel
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from facecore.client import PipelineError
 from gallery.errors import Conflict, CropsMissing, GalleryError, InvalidEmbedding, ModelMismatch, NotFound
-from service.pipeline_client import PipelineError
+from recognition.errors import Refused
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def pipeline_error(exc: PipelineError) -> ApiError:
     """A face_pipeline failure: the caller's image (400), or Triton unreachable/failing (503)."""
     if exc.invalid_input:
         return ApiError(str(exc), code="invalid_image")
-    if exc.status == "StatusCode.DEADLINE_EXCEEDED":
+    if exc.timed_out:
         return Timeout("face_pipeline did not answer in time")
     return Unavailable(f"the inference server is unavailable: {exc}", code="triton_unavailable")
 
@@ -105,6 +106,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GalleryError)
     async def gallery_error(_: Request, exc: GalleryError) -> JSONResponse:
         return error_response(_GALLERY_STATUS.get(type(exc), 400), exc.code, exc.message, exc.details)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> JSONResponse:
+        return error_response(422, exc.code, exc.message, exc.details)
 
     @app.exception_handler(PipelineError)
     async def triton_error(request: Request, exc: PipelineError) -> JSONResponse:

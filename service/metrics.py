@@ -38,5 +38,9 @@ class Metrics:
         self.faces = Histogram("facerec_faces_per_request", "faces detected per image",
                                buckets=(0, 1, 2, 3, 5, 10, 20, 50, 100), registry=self.registry)
 
+    def observe_pipeline(self, seconds: float, faces: int) -> None:
+        self.triton_latency.observe(seconds)
+        self.faces.observe(faces)
+
     def watch_gallery(self, sizes: Callable[[], dict[str, int]]) -> None:
         self.registry.register(GallerySizes(sizes))

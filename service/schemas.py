@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from recognition.enrollment import FaceChoice
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                             examples=["employees"])]
@@ -148,11 +149,6 @@ class FaceOut(BaseModel):
     quality: dict[str, float]
     has_crop: bool
     created_at: datetime
-
-
-class FaceChoice(StrEnum):
-    ONLY = "only"  # refuse images with several faces
-    LARGEST = "largest"
 
 
 class EnrollJson(BaseModel):

@@ -5,7 +5,7 @@ run time (pytest must import it itself to rewrite its asserts); for annotations 
 under ``TYPE_CHECKING`` only. It loads ``tests.gallery_fixtures`` for the PostgreSQL scratch database
 (``pg_database``) and the engine-parametrized ``db_url``.
 
-``start_api(...)`` builds ``create_app(Settings(...))`` and enters a ``TestClient`` as a context
+``start_api(...)`` builds ``create_app(GatewaySettings(...))`` and enters a ``TestClient`` as a context
 manager, so the lifespan (migrations, gallery load, follower thread, Triton client) really runs; every
 client is closed at the end of the test. The returned ``Api`` wraps the client with the admin key and
 the helpers the tests share (upload building, error-body checks).
@@ -27,8 +27,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from facecore.settings import GatewaySettings
 from service.app import create_app
-from service.settings import Settings
 
 pytest_plugins = ["tests.gallery_fixtures"]
 
@@ -60,7 +60,7 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 def make_settings(
     triton_url: str, db_url: str, workdir: Path, admin_key: str, **sections: Mapping[str, Any]
-) -> Settings:
+) -> GatewaySettings:
     """Settings for one app: ``sections`` override (deep-merged), e.g. ``limits={"max_pixels": 10**6}``."""
     base: dict[str, Any] = {
         "security": {"admin_key": admin_key},
@@ -68,7 +68,7 @@ def make_settings(
         "database": {"url": db_url},
         "gallery": {"snapshot_dir": workdir / "index"},
     }
-    return Settings(**_merge(base, sections))
+    return GatewaySettings(**_merge(base, sections))
 
 
 class Api:
@@ -85,8 +85,8 @@ class Api:
             self.client.__exit__(None, None, None)
 
     @property
-    def settings(self) -> Settings:
-        settings: Settings = self.app.state.settings
+    def settings(self) -> GatewaySettings:
+        settings: GatewaySettings = self.app.state.settings
         return settings
 
     # --- raw requests ------------------------------------------------------------------------

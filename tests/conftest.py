@@ -11,8 +11,8 @@ import pytest
 from export.defaults import DefaultModels, prepare_default_models
 from export.fetch import fetch_photos
 from export.repository import Profile, RepositoryPlan, write_repository
+from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
-from service.pipeline_client import PipelineClient
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"

@@ -416,6 +416,19 @@ def test_query_validation(small: Api) -> None:
     )
 
 
+def test_top_k_follows_the_max_k_setting(start_api: StartApi) -> None:
+    """The k bound is the setting, not a number fixed in the route: above it 422, up to it accepted."""
+    wide = start_api(limits={"max_k": 150})
+    wide.create_collection("c")
+    assert wide.ok(wide.identify("c", "obama.jpg", params={"k": 150}))["faces"][0]["decision"] == "unknown"
+    wide.error(wide.identify("c", "obama.jpg", params={"k": 151}), 422, "validation_error")
+    wide.close()
+    narrow = start_api(limits={"max_k": 7})
+    details = narrow.error(narrow.identify("c", "obama.jpg", params={"k": 8}), 422, "validation_error")
+    assert details["errors"][0]["loc"] == ["query", "k"]
+    narrow.ok(narrow.identify("c", "obama.jpg", params={"k": 7}))
+
+
 def test_request_timeout(start_api: StartApi) -> None:
     api = start_api(limits={"request_timeout_s": 0.001})
     # The admin key needs no database, so the timeout is reached whatever the route does first.

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.python.asgi import shutdown_lifespans
 
+from facecore.settings import GatewaySettings
 from service.app import create_app
-from service.settings import Settings
 
 if TYPE_CHECKING:
     from tests.api_fixtures import Api, StartApi
@@ -39,7 +39,8 @@ COLLECTION, IDENTITY = "fuzz", "fuzz-person"
 EXAMPLES = 20
 
 # Building an app connects to nothing (the lifespan does): this one only provides the schema.
-schema = schemathesis.openapi.from_dict(create_app(Settings(security={"admin_key": "s" * 32})).openapi())
+schema = schemathesis.openapi.from_dict(
+    create_app(GatewaySettings(security={"admin_key": "s" * 32})).openapi())
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])

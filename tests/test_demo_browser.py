@@ -25,8 +25,14 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from facecore.settings import (
+    DatabaseSettings,
+    GallerySettings,
+    GatewaySettings,
+    SecuritySettings,
+    TritonSettings,
+)
 from service.app import create_app
-from service.settings import DatabaseSettings, GallerySettings, SecuritySettings, Settings, TritonSettings
 from tests.conftest import ARTIFACTS, free_ports
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -39,8 +45,8 @@ COLLECTION = "demo"
 TIMEOUT_MS = 60_000
 
 
-def settings_for(tmp_path: Path, triton_url: str = "127.0.0.1:1") -> Settings:
-    return Settings(triton=TritonSettings(url=triton_url),
+def settings_for(tmp_path: Path, triton_url: str = "127.0.0.1:1") -> GatewaySettings:
+    return GatewaySettings(triton=TritonSettings(url=triton_url),
                     database=DatabaseSettings(url=f"sqlite:///{tmp_path / 'gallery.db'}"),
                     gallery=GallerySettings(snapshot_dir=tmp_path / "index"),
                     security=SecuritySettings(admin_key=ADMIN_KEY),  # type: ignore[arg-type]

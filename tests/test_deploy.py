@@ -945,10 +945,10 @@ def test_gateway_refuses_to_start_without_admin_key(gateway_entry: ModuleType,
 
 @pytest.fixture(scope="module")
 def app_routes() -> set[str]:
+    from facecore.settings import GatewaySettings
     from service.app import create_app
-    from service.settings import Settings
 
-    app = create_app(Settings(security={"admin_key": "x" * 16}))
+    app = create_app(GatewaySettings(security={"admin_key": "x" * 16}))
     return set(app.openapi()["paths"])
 
 

@@ -12,17 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 from sqlalchemy import text
 
+from facecore.client import AsyncPipelineClient, PipelineClient
 from gallery.__main__ import main as gallery_main
 from gallery.errors import CropsMissing, ModelMismatch
 from gallery.gallery import Gallery
-from gallery.importer import Importer, ImportOptions, Status, read_manifest, scan_folder
 from gallery.reembed import reembed_collection
 from gallery.store import GalleryStore
+from recognition.importer import Importer, ImportOptions, Status, read_manifest, scan_folder
 from service.launcher import TritonServer
-from service.pipeline_client import AsyncPipelineClient, PipelineClient
 
 pytestmark = pytest.mark.triton
 #: ``store``: a migrated GalleryStore on SQLite and on PostgreSQL (every test runs on both).
@@ -155,8 +154,8 @@ def test_manifest_cli_report_and_reembed(store: GalleryStore, triton: TritonServ
     assert [(r["external_id"], r["status"]) for r in rows] == [("p-1", "imported"), ("p-2", "imported")]
     assert store.get_identity("people", "p-1").name == "Barack Obama"
 
-    client = grpcclient.InferenceServerClient(triton.grpc_url)
-    spec = PipelineClient(triton.grpc_url).embedder()
+    client = PipelineClient(triton.grpc_url)
+    spec = client.embedder()
     before = store.collection_vectors(store.get_collection("people").id, spec.embedding_dim)[2]
     assert reembed_collection(store, "people", client, replace(spec, name="sface_v2")) == 2
     info = store.get_collection("people")
@@ -170,6 +169,6 @@ def test_manifest_cli_report_and_reembed(store: GalleryStore, triton: TritonServ
 def test_reembed_refuses_without_crops(store: GalleryStore, triton: TritonServer, folder: Path) -> None:
     create_people(store, triton, keep_crops=False)
     run_import(store, triton, [i for i in scan_folder(folder) if i.external_id == "biden"])
-    spec = PipelineClient(triton.grpc_url).embedder()
+    client = PipelineClient(triton.grpc_url)
     with pytest.raises(CropsMissing, match="no stored crop"):
-        reembed_collection(store, "people", grpcclient.InferenceServerClient(triton.grpc_url), spec)
+        reembed_collection(store, "people", client, client.embedder())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from export.defaults import DefaultModels
-from service.pipeline_client import PipelineClient
+from facecore.client import PipelineClient
 
 pytestmark = pytest.mark.triton
 

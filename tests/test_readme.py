@@ -34,10 +34,10 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from export.__main__ import parser as export_parser
+from facecore.settings import GatewaySettings
 from gallery.__main__ import parser as gallery_parser
+from recognition.usecases import confidence
 from service.app import create_app
-from service.recognition import confidence
-from service.settings import Settings
 from tests.readme_runner import (
     ROOT,
     Command,
@@ -103,7 +103,7 @@ def lines_of(text: str, title: str, pattern: str) -> list[str]:
 def settings_variables() -> dict[str, object]:
     """``FACEREC_...`` variable -> the code's default (``...`` when required)."""
     out: dict[str, object] = {}
-    for name, field in Settings.model_fields.items():
+    for name, field in GatewaySettings.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             section_default = None if field.is_required() else field.get_default(call_default_factory=True)
@@ -119,6 +119,8 @@ def settings_variables() -> dict[str, object]:
 
 
 def as_readme_value(value: object) -> str:
+    if value is None or value == "":
+        return "(none)"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -129,7 +131,7 @@ def test_configuration_table_is_the_settings(text: str, monkeypatch: pytest.Monk
     assert len(readme) == len(rows), "a variable is listed twice"
     code = settings_variables()
     assert sorted(readme) == sorted(code), (
-        f"README lists {sorted(set(readme) - set(code))} that Settings ignores and misses "
+        f"README lists {sorted(set(readme) - set(code))} that GatewaySettings ignores and misses "
         f"{sorted(set(code) - set(readme))}")
     for variable, default in code.items():
         if default is ...:
@@ -142,12 +144,12 @@ def test_configuration_table_is_the_settings(text: str, monkeypatch: pytest.Monk
     # The documented variables really are read: one nested and one top-level, from the environment.
     monkeypatch.setenv("FACEREC_LIMITS__MAX_K", "7")
     monkeypatch.setenv("FACEREC_LOG_LEVEL", "DEBUG")
-    settings = Settings(security={"admin_key": ADMIN_KEY})
+    settings = GatewaySettings(security={"admin_key": ADMIN_KEY})
     assert (settings.limits.max_k, settings.log_level) == (7, "DEBUG")
 
 
 def test_limits_and_scores_prose_matches_the_code(text: str) -> None:
-    limits = Settings(security={"admin_key": ADMIN_KEY}).limits
+    limits = GatewaySettings(security={"admin_key": ADMIN_KEY}).limits
     stated = " ".join(section(text, "Limits").split())
     expected = (f"Request body {limits.max_upload_bytes // 2**20} MiB, "
                 f"{limits.max_pixels // 10**6} megapixels, {limits.max_faces} faces per image, "
@@ -168,7 +170,7 @@ def test_error_codes_exist_in_the_code(text: str) -> None:
     rows = table(section(text, REST).split("### Errors", 1)[1])
     codes = {c for row in rows for c in re.findall(r"`([a-z_]+)`", row["codes"])}
     assert len(codes) >= 20
-    sources = "\n".join(p.read_text() for folder in ("service", "gallery")
+    sources = "\n".join(p.read_text() for folder in ("service", "gallery", "recognition")
                         for p in (ROOT / folder).rglob("*.py"))
     missing = sorted(c for c in codes if f'"{c}"' not in sources)
     assert not missing, f"error codes in the README that the code never returns: {missing}"
@@ -183,7 +185,7 @@ def rest_blocks(text: str) -> list[str]:
 
 
 def test_curl_routes_are_in_the_openapi_document(text: str) -> None:
-    app = create_app(Settings(security={"admin_key": ADMIN_KEY}))  # the schema needs no lifespan
+    app = create_app(GatewaySettings(security={"admin_key": ADMIN_KEY}))  # the schema needs no lifespan
     paths = app.openapi()["paths"]
     calls = curl_calls("\n".join(rest_blocks(text)))
     # ... and the operations named in the prose: `GET /health/live`, `GET /metrics`.
@@ -220,7 +222,7 @@ def test_curl_examples_run_in_order(
     (cwd / "data" / "admin_key").write_text(ADMIN_KEY + "\n")
     log = tmp_path / "curl.log"
     log.touch()
-    settings = Settings(security={"admin_key": ADMIN_KEY}, triton={"url": triton.grpc_url},
+    settings = GatewaySettings(security={"admin_key": ADMIN_KEY}, triton={"url": triton.grpc_url},
                         database={"url": f"sqlite:///{tmp_path / 'gallery.db'}"},
                         gallery={"snapshot_dir": tmp_path / "index"})
     blocks = rest_blocks(text)

@@ -13,10 +13,10 @@ from tritonclient.grpc import model_config_pb2 as mc
 from export.__main__ import main as export_main
 from export.defaults import DefaultModels
 from export.repository import Profile, ProfileTuning, RepositoryPlan, pin_version, write_repository
+from facecore.client import PipelineClient
 from facecore.pipeline import PipelineSettings
 from facecore.triton_config import parameters
 from service.launcher import TritonPorts, TritonServer
-from service.pipeline_client import PipelineClient
 from tests.conftest import free_ports
 
 MODELS = ("face_detector", "face_embedder", "face_pipeline")

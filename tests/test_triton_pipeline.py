@@ -10,11 +10,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from export.defaults import DefaultModels
+from facecore.client import PipelineClient, PipelineError
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.pipeline import PipelineSettings, run_pipeline
 from facecore.processing import decode_image
 from service.launcher import TritonServer
-from service.pipeline_client import PipelineClient, PipelineError
 
 pytestmark = pytest.mark.triton
 
@@ -115,8 +115,8 @@ def test_server_results_equal_the_in_process_pipeline(
     image = decode_image(photo_bytes["t1.jpg"], settings.max_pixels)
     (local,) = run_pipeline([image], [settings.default_options], settings, detector, embedder)
     remote = pipeline.infer(photo_bytes["t1.jpg"])
-    np.testing.assert_allclose(remote.boxes, local.detections.boxes, atol=1e-2)
-    np.testing.assert_allclose(remote.landmarks, local.detections.landmarks, atol=1e-2)
+    np.testing.assert_allclose(remote.boxes, local.boxes, atol=1e-2)
+    np.testing.assert_allclose(remote.landmarks, local.landmarks, atol=1e-2)
     np.testing.assert_allclose(remote.embeddings, local.embeddings, atol=1e-4)
 
 

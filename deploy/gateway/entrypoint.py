@@ -1,9 +1,9 @@
 """Entrypoint of the gateway image: ``Settings`` from the environment, then uvicorn on ``create_app``.
 
-Settings come from ``FACEREC_<SECTION>__<FIELD>`` (service/settings.py). The database URL is either
-``FACEREC_DATABASE__URL`` or, so that a password never has to be written into a URL by hand (and a
-Kubernetes Secret can hold the password alone), built from ``FACEREC_DB_HOST``, ``FACEREC_DB_PORT``
-(5432), ``FACEREC_DB_NAME`` (facerec), ``FACEREC_DB_USER`` (facerec) and ``FACEREC_DB_PASSWORD``.
+Settings come from ``FACEREC_<SECTION>__<FIELD>`` (``facecore/settings.py``, the one settings object of
+every entry point). The database URL is either ``FACEREC_DATABASE__URL`` or built there from
+``FACEREC_DB_HOST``, ``FACEREC_DB_PORT``, ``FACEREC_DB_NAME``, ``FACEREC_DB_USER`` and
+``FACEREC_DB_PASSWORD`` (a Kubernetes Secret can then hold the password alone).
 
 One process per container: the gallery's FAISS indexes live in the process and follow the change log
 in the database, so scale with replicas (containers, pods), not with uvicorn workers.
@@ -17,51 +17,17 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from service.settings import Settings
-
-DB_PARTS = ("FACEREC_DB_HOST", "FACEREC_DB_PORT", "FACEREC_DB_NAME", "FACEREC_DB_USER", "FACEREC_DB_PASSWORD")
+    from facecore.settings import GatewaySettings
 
 
-def database_url(env: Mapping[str, str]) -> str | None:
-    """The SQLAlchemy URL from the ``FACEREC_DB_*`` parts (None when ``FACEREC_DB_HOST`` is unset)."""
-    if not env.get("FACEREC_DB_HOST"):
-        return None
-    from sqlalchemy.engine import URL
-
-    url = URL.create(
-        "postgresql+psycopg",
-        username=env.get("FACEREC_DB_USER", "facerec"),
-        password=env.get("FACEREC_DB_PASSWORD") or None,
-        host=env["FACEREC_DB_HOST"],
-        port=int(env.get("FACEREC_DB_PORT", "5432")),
-        database=env.get("FACEREC_DB_NAME", "facerec"),
-    )
-    return url.render_as_string(hide_password=False)
-
-
-def load_settings() -> Settings:
+def load_settings() -> GatewaySettings:
     """Settings from ``os.environ``; a readable SystemExit (no secret values) when they are incomplete."""
-    from pydantic import ValidationError
+    from facecore.settings import GatewaySettings, load_settings
 
-    from service.settings import Settings
-
-    overrides: dict[str, Any] = {}
-    if not os.environ.get("FACEREC_DATABASE__URL"):
-        built = database_url(os.environ)
-        if built is not None:
-            overrides["database"] = {"url": built}
-    try:
-        return Settings(**overrides)  # the admin key comes from the environment
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
-                             for error in exc.errors())
-        raise SystemExit(
-            f"gateway settings are incomplete: {problems} "
-            "(set FACEREC_SECURITY__ADMIN_KEY, at least 16 characters, and the database settings)"
-        ) from None
+    return load_settings(GatewaySettings)
 
 
 def parse_args(argv: Sequence[str] | None, env: Mapping[str, str]) -> argparse.Namespace:

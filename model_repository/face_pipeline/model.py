@@ -1,8 +1,9 @@
 """``face_pipeline``: a Triton Python-backend BLS model.
 
-decode -> letterbox -> ONE ``face_detector`` call for every image of the execute -> prior decode +
-NMS -> 5-point alignment -> ONE ``face_embedder`` call for every face -> L2 normalize.
-The work itself is ``facecore.pipeline``; this file only converts Triton requests to numpy and back.
+decode -> letterbox -> ``face_detector`` (one call per detector input size among the execute's
+images) -> prior decode + NMS -> 5-point alignment -> ONE ``face_embedder`` call for every face ->
+L2 normalize. The work itself is ``facecore.pipeline``; this file only converts Triton requests to
+numpy and back, following ``facecore.contract``.
 A request with a bad image or bad settings gets its own INVALID_ARG error; the others still succeed.
 """
 
@@ -14,7 +15,8 @@ import cv2
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from facecore.pipeline import FaceResult, PipelineSettings, run_pipeline, validate_options
+from facecore.contract import Faces, Input, RequestOptions
+from facecore.pipeline import PipelineSettings, run_pipeline, validate_options
 from facecore.processing import (
     DetectOptions,
     FloatArray,
@@ -40,46 +42,33 @@ def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> l
     return [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs]
 
 
-def optional_scalar(request: Any, name: str) -> Any:
+def input_array(request: Any, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
+    return None if tensor is None else tensor.as_numpy()
 
 
 def read_request(
     request: Any, settings: PipelineSettings
 ) -> tuple[ImageArray, tuple[int, int], DetectOptions, bool]:
     """The request's decoded image, its original size, detection options and whether crops are wanted."""
-    encoded = pb_utils.get_input_tensor_by_name(request, "IMAGE").as_numpy().reshape(-1)
+    image_input = input_array(request, Input.IMAGE.value)
+    encoded = np.zeros(0, np.object_) if image_input is None else image_input.reshape(-1)
     if encoded.size != 1:
-        raise ValueError(f"IMAGE must hold exactly one encoded image, got {encoded.size}")
-    options = validate_options(
-        settings,
-        score_threshold=optional_scalar(request, "SCORE_THRESHOLD"),
-        max_faces=optional_scalar(request, "MAX_FACES"),
-        min_face_size=optional_scalar(request, "MIN_FACE_SIZE"),
-    )
+        raise ValueError(f"{Input.IMAGE.value} must hold exactly one encoded image, got {encoded.size}")
+    wanted = RequestOptions.from_tensors(lambda name: input_array(request, name))
+    options = validate_options(settings, wanted.score_threshold, wanted.max_faces, wanted.min_face_size)
     data = bytes(encoded[0])
     image = decode_image(data, settings.max_pixels, settings.decode_min_side)
     size = original_size(data, image) if settings.decode_min_side else (image.shape[1], image.shape[0])
-    return image, size, options, bool(optional_scalar(request, "RETURN_CROPS"))
+    return image, size, options, wanted.return_crops
 
 
-def to_response(result: FaceResult, with_crops: bool) -> Any:
+def to_response(faces: Faces, with_crops: bool) -> Any:
     """Outputs carry a leading batch axis of 1 (max_batch_size > 0)."""
-    found = result.detections
-    crops = result.crops if with_crops else result.crops[:0]
-    arrays = {
-        "BOXES": found.boxes,
-        "SCORES": found.scores,
-        "LANDMARKS": found.landmarks,
-        "EMBEDDINGS": result.embeddings,
-        "BLUR": result.blur,
-        "IMAGE_SIZE": np.array([result.width, result.height], dtype=np.int32),
-        "CROPS": crops,
-    }
-    return pb_utils.InferenceResponse(
-        output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(a[None])) for name, a in arrays.items()]
-    )
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor(name, np.ascontiguousarray(array[None]))
+        for name, array in faces.to_arrays(with_crops).items()
+    ])
 
 
 def invalid(message: str) -> Any:

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.deps import GalleryDep, ServiceDep, StoreDep
+from facecore.client import AsyncPipelineClient
+from service.deps import GalleryDep, StoreDep
 from service.schemas import Liveness, Readiness
 
 router = APIRouter(tags=["health"])
@@ -22,8 +23,9 @@ async def live() -> Liveness:
 @router.get("/health/ready", response_model=Readiness,
             summary="Triton models, database and gallery are ready",
             responses={503: {"model": Readiness}})
-async def ready(service: ServiceDep, store: StoreDep, gallery: GalleryDep) -> JSONResponse:
-    triton, database = await asyncio.gather(service.pipeline.ready(), asyncio.to_thread(store.db.ping))
+async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONResponse:
+    pipeline: AsyncPipelineClient = request.app.state.pipeline
+    triton, database = await asyncio.gather(pipeline.ready(), asyncio.to_thread(store.db.ping))
     checks = {"triton": triton, "database": database, "gallery": gallery.loaded}
     body = Readiness(ready=all(checks.values()), checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)

@@ -8,12 +8,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, status
 
+from recognition.enrollment import EnrollmentRules, FaceChoice
 from service import schemas
 from service.deps import CollectionAccessDep, GalleryDep, ServiceDep, SettingsDep, StoreDep
 from service.errors import ApiError
 from service.images import read_images
 from service.openapi import image_body
-from service.recognition import face_out, identity_out
+from service.presenters import enroll_response, face_out, identity_out
 
 router = APIRouter(prefix="/v1/collections/{collection}", tags=["identities"])
 
@@ -84,12 +85,12 @@ async def enroll(collection: str, external_id: str, request: Request, _: Collect
                                  schemas.EnrollJson)
     choice_raw = uploaded.fields.get("face", "only")
     try:
-        choice = schemas.FaceChoice(choice_raw)
+        choice = FaceChoice(choice_raw)
     except ValueError as exc:
         raise ApiError("face must be 'only' or 'largest'", code="validation_error", status=422) from exc
-    box = parse_box(uploaded.fields.get("box"))
-    return await service.enroll(collection, external_id, uploaded.images, choice, box,
-                                (name, {}) if create else None)
+    rules = EnrollmentRules(settings.quality.thresholds(), choice, parse_box(uploaded.fields.get("box")))
+    return enroll_response(await service.enroll(collection, external_id, uploaded.images, rules,
+                                                (name, {}) if create else None))
 
 
 def parse_box(raw: object) -> list[float] | None:

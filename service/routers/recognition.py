@@ -7,12 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from facecore.client import PipelineError
+from recognition.errors import Refused
 from service import schemas
-from service.deps import CallerDep, CollectionAccessDep, ServiceDep, SettingsDep
+from service.deps import CallerDep, CollectionAccessDep, ServiceDep, SettingsDep, TopKDep
 from service.errors import ApiError, error_body
 from service.images import check_image, read_images
 from service.openapi import image_body
-from service.pipeline_client import PipelineError
+from service.presenters import detect_response, identify_response, verify_response
 
 router = APIRouter(tags=["recognition"])
 
@@ -23,7 +25,6 @@ PAIR = image_body(schemas.VerifyJson, {"image_a": False, "image_b": False},
 Threshold = Annotated[float | None, Query(ge=-1, le=1,
                                           description="match threshold (default: the collection's "
                                                       "or the model's)")]
-TopK = Annotated[int, Query(ge=1, le=100, description="candidates per face")]
 
 
 @router.post("/v1/detect", response_model=schemas.DetectResponse, openapi_extra=ONE_IMAGE,
@@ -31,22 +32,22 @@ TopK = Annotated[int, Query(ge=1, le=100, description="candidates per face")]
 async def detect(request: Request, _: CallerDep, service: ServiceDep, settings: SettingsDep
                  ) -> schemas.DetectResponse:
     uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
-    return await service.detect(uploaded.images[0])
+    return detect_response(await service.detect(uploaded.images[0]))
 
 
 @router.post("/v1/collections/{collection}/identify", response_model=schemas.IdentifyResponse,
              openapi_extra=ONE_IMAGE, summary="1:N: who is each face in the image (or unknown)")
 async def identify(collection: str, request: Request, _: CollectionAccessDep, service: ServiceDep,
-                   settings: SettingsDep, k: TopK = 5, threshold: Threshold = None
+                   settings: SettingsDep, k: TopKDep, threshold: Threshold = None
                    ) -> schemas.IdentifyResponse:
     uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
-    return await service.identify(collection, uploaded.images[0], k, threshold)
+    return identify_response(await service.identify(collection, uploaded.images[0], k, threshold))
 
 
 @router.post("/v1/collections/{collection}/identify/batch", response_model=schemas.BatchIdentifyResponse,
              openapi_extra=BATCH, summary="1:N for several images; each image succeeds or fails alone")
 async def identify_batch(collection: str, request: Request, _: CollectionAccessDep, service: ServiceDep,
-                         settings: SettingsDep, k: TopK = 5, threshold: Threshold = None
+                         settings: SettingsDep, k: TopKDep, threshold: Threshold = None
                          ) -> schemas.BatchIdentifyResponse:
     limits = settings.limits
     uploaded = await read_images_lenient(request, limits.max_pixels, limits.max_batch_images)
@@ -55,9 +56,9 @@ async def identify_batch(collection: str, request: Request, _: CollectionAccessD
         try:
             if isinstance(data, ApiError):
                 raise data
-            result = await service.identify(collection, data, k, threshold)
+            result = identify_response(await service.identify(collection, data, k, threshold))
             return schemas.BatchItem(index=index, result=result)
-        except ApiError as exc:
+        except (ApiError, Refused) as exc:
             return schemas.BatchItem(index=index, error=error_body(exc.code, exc.message, exc.details))
         except PipelineError as exc:
             if not exc.invalid_input:
@@ -88,7 +89,7 @@ async def verify(request: Request, _: CallerDep, service: ServiceDep, settings: 
                                  schemas.VerifyJson)
     if len(uploaded.images) != 2:
         raise ApiError("send exactly two images: image_a and image_b", code="missing_image")
-    return await service.verify_images(uploaded.images[0], uploaded.images[1], threshold)
+    return verify_response(await service.verify_images(uploaded.images[0], uploaded.images[1], threshold))
 
 
 @router.post("/v1/collections/{collection}/identities/{external_id}/verify",
@@ -98,4 +99,5 @@ async def verify_identity(collection: str, external_id: str, request: Request, _
                           service: ServiceDep, settings: SettingsDep, threshold: Threshold = None
                           ) -> schemas.VerifyResponse:
     uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
-    return await service.verify_identity(collection, external_id, uploaded.images[0], threshold)
+    return verify_response(await service.verify_identity(collection, external_id, uploaded.images[0],
+                                                         threshold))

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import hashlib
 import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import cast
 
-import cv2
-import numpy as np
 from tqdm import tqdm
 
-from facecore.quality import QualityThresholds, assess
+from facecore.client import AsyncPipeline, PipelineError
+from facecore.contract import Faces
+from facecore.quality import QualityThresholds
 from gallery.store import GalleryStore, NewFace
-from service.pipeline_client import AsyncPipelineClient, PipelineError, PipelineFaces
+from recognition.enrollment import EnrollmentRules, FaceChoice, enrollable_face, image_sha256
+from recognition.errors import Refused
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class ImportOptions:
     largest_face: bool = False  # with several faces, enroll the largest instead of refusing
     quality: QualityThresholds = field(default_factory=QualityThresholds)
 
+    @property
+    def rules(self) -> EnrollmentRules:
+        return EnrollmentRules(self.quality, FaceChoice.LARGEST if self.largest_face else FaceChoice.ONLY)
+
 
 def scan_folder(root: Path) -> list[ImportItem]:
     """One identity per subfolder (external id and name = folder name), images inside it."""
@@ -99,39 +104,33 @@ def read_manifest(manifest: Path) -> list[ImportItem]:
     return items
 
 
-def _pick_face(faces: PipelineFaces, largest: bool) -> int | None:
-    if len(faces) == 1:
-        return 0
-    if len(faces) > 1 and largest:
-        areas = (faces.boxes[:, 2] - faces.boxes[:, 0]) * (faces.boxes[:, 3] - faces.boxes[:, 1])
-        return int(np.argmax(areas))
-    return None
+_STATUS = {"no_face": Status.NO_FACE, "several_faces": Status.SEVERAL_FACES,
+           "low_quality": Status.LOW_QUALITY}
 
 
-def classify(item: ImportItem, digest: str, faces: PipelineFaces, options: ImportOptions) -> ItemResult:
-    """Accept exactly one face that passes the quality gate, or say why not."""
-    if len(faces) == 0:
-        return ItemResult(item, Status.NO_FACE, "no face found", digest)
-    chosen = _pick_face(faces, options.largest_face)
-    if chosen is None:
-        boxes = "; ".join(",".join(f"{v:.0f}" for v in box) for box in faces.boxes)
-        return ItemResult(item, Status.SEVERAL_FACES, f"{len(faces)} faces: {boxes}", digest, len(faces))
-    quality = assess(faces.boxes[chosen], faces.landmarks[chosen], float(faces.blur[chosen]),
-                     float(faces.scores[chosen]))
-    reasons = quality.rejections(options.quality)
-    if reasons:
-        return ItemResult(item, Status.LOW_QUALITY, ",".join(reasons), digest, len(faces))
-    crop = None
-    if faces.crops.shape[0] > chosen:
-        ok, png = cv2.imencode(".png", faces.crops[chosen])
-        crop = png.tobytes() if ok else None
-    face = NewFace(faces.embeddings[chosen], digest, faces.boxes[chosen].tolist(),
-                   float(faces.scores[chosen]), quality.as_dict(), crop)
+def _detail(refused: Refused) -> str:
+    """The report's one-line reason: the boxes of a group photo, the quality gate's reasons."""
+    if refused.code == "several_faces":
+        boxes = cast(list[list[float]], refused.details.get("boxes", []))
+        listed = "; ".join(",".join(f"{v:.0f}" for v in box) for box in boxes)
+        return f"{len(boxes)} faces: {listed}"
+    if refused.code == "low_quality":
+        return ",".join(cast(list[str], refused.details.get("reasons", [])))
+    return refused.message.removeprefix("image: ")
+
+
+def classify(item: ImportItem, data: bytes, faces: Faces, options: ImportOptions) -> ItemResult:
+    """Accept exactly one face that passes the quality gate (the REST route's rules), or say why not."""
+    digest = image_sha256(data)
+    try:
+        face = enrollable_face(faces, data, options.rules)
+    except Refused as refused:
+        return ItemResult(item, _STATUS[refused.code], _detail(refused), digest, len(faces))
     return ItemResult(item, Status.READY, "", digest, len(faces), face=face)
 
 
 class Importer:
-    def __init__(self, store: GalleryStore, client: AsyncPipelineClient, options: ImportOptions) -> None:
+    def __init__(self, store: GalleryStore, client: AsyncPipeline, options: ImportOptions) -> None:
         self.store, self.client, self.options = store, client, options
         self._slots = asyncio.Semaphore(options.concurrency)
         self._seen: set[str] = set()
@@ -142,7 +141,7 @@ class Importer:
                 data = await asyncio.to_thread(item.path.read_bytes)
             except OSError as exc:
                 return ItemResult(item, Status.UNREADABLE, f"cannot read file: {exc.strerror}")
-            digest = hashlib.sha256(data).hexdigest()
+            digest = image_sha256(data)
             if digest in self._seen:
                 return ItemResult(item, Status.DUPLICATE, "image already imported", digest)
             self._seen.add(digest)
@@ -152,7 +151,7 @@ class Importer:
                 except PipelineError as exc:
                     status = Status.UNREADABLE if exc.invalid_input else Status.FAILED
                     return ItemResult(item, status, str(exc), digest)
-            return classify(item, digest, faces, self.options)
+            return classify(item, data, faces, self.options)
         finally:
             progress.update(1)
 

@@ -1,0 +1,140 @@
+"""The one settings object of every entry point: environment variables ``FACEREC_<SECTION>__<FIELD>``.
+
+``Settings`` is what every process reads (``python -m service``, ``python -m gallery``, the container
+entrypoints); ``GatewaySettings`` adds the admin key, which has no default: the gateway refuses to start
+without it. Examples: ``FACEREC_DATABASE__URL=postgresql+psycopg://...``, ``FACEREC_LIMITS__MAX_K=50``.
+
+The database URL is ``FACEREC_DATABASE__URL``, or, so that a password never has to be written into a URL
+by hand (a Kubernetes Secret can hold the password alone), it is built from ``FACEREC_DB_HOST``,
+``FACEREC_DB_PORT`` (5432), ``FACEREC_DB_NAME`` (facerec), ``FACEREC_DB_USER`` (facerec) and
+``FACEREC_DB_PASSWORD``; with neither, SQLite in ``data/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Self, TypeVar
+
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import URL
+
+from facecore.limits import DEFAULT_LIMITS
+from facecore.quality import QualityThresholds
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SQLITE = f"sqlite:///{ROOT / 'data' / 'gallery.db'}"
+
+
+class TritonSettings(BaseModel):
+    url: str = Field("127.0.0.1:8001", description="Triton gRPC address")
+    timeout_s: float = Field(30.0, gt=0, description="timeout of one face_pipeline call")
+
+
+class DatabaseSettings(BaseModel):
+    url: str = Field(DEFAULT_SQLITE, description="SQLAlchemy URL; unset, it is built from FACEREC_DB_HOST "
+                     "and the other FACEREC_DB_* parts when those are set")
+
+
+class GallerySettings(BaseModel):
+    snapshot_dir: Path | None = Field(ROOT / "data" / "index",
+                                      description="FAISS snapshots (none: no snapshots)")
+    follow_interval_s: float = Field(0.2, gt=0, description="change-log polling period (replicas)")
+    exact_max: int = Field(200_000, ge=0, description="faces above which an IVF index is tried")
+    snapshot_interval_s: float = Field(300.0, gt=0, description="how often indexes are snapshotted")
+    erasure_snapshot_delay_s: float = Field(5.0, gt=0, description="after deletions, snapshots are rewritten "
+                                            "within this delay so erased vectors leave the disk")
+
+
+class SecuritySettings(BaseModel):
+    admin_key: SecretStr = Field(description="admin API key (required; at least 16 characters)")
+
+    @field_validator("admin_key")
+    @classmethod
+    def long_enough(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value()) < 16:
+            raise ValueError("the admin key must have at least 16 characters")
+        return value
+
+
+_LIMITS = DEFAULT_LIMITS
+
+
+class LimitSettings(BaseModel):
+    max_upload_bytes: int = Field(_LIMITS.max_upload_bytes, gt=0,
+                                  description="413 above this request body size")
+    max_pixels: int = Field(_LIMITS.max_pixels, gt=0,
+                            description="413 above this many pixels (decompression bombs)")
+    # face_pipeline is exported with max_faces = DEFAULT_LIMITS.max_faces: it refuses to return more.
+    max_faces: int = Field(_LIMITS.max_faces, gt=0, le=_LIMITS.max_faces,
+                           description="faces detected per image at most")
+    max_batch_images: int = Field(_LIMITS.max_batch_images, gt=0,
+                                  description="images per batch identify or enroll call")
+    request_timeout_s: float = Field(_LIMITS.request_timeout_s, gt=0, description="504 after this")
+    max_k: int = Field(_LIMITS.max_k, gt=0, description="largest top-k a caller may ask for")
+
+
+class QualitySettings(BaseModel):
+    """Enrollment quality gate (see facecore/quality.py)."""
+
+    min_face_size: float = Field(QualityThresholds.min_face_size, description="shorter box side, pixels")
+    min_blur: float = Field(QualityThresholds.min_blur, description="variance of the Laplacian of the crop")
+    max_yaw: float = Field(QualityThresholds.max_yaw, description="degrees, estimated from landmarks")
+    max_pitch: float = Field(QualityThresholds.max_pitch, description="degrees, estimated from landmarks")
+    max_roll: float = Field(QualityThresholds.max_roll, description="degrees, from the eye line")
+    min_detection_score: float = Field(QualityThresholds.min_detection_score, description="detector score")
+
+    def thresholds(self) -> QualityThresholds:
+        return QualityThresholds(**self.model_dump())
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FACEREC_", env_nested_delimiter="__", extra="ignore")
+
+    triton: TritonSettings = TritonSettings()
+    database: DatabaseSettings = DatabaseSettings()
+    gallery: GallerySettings = GallerySettings()
+    limits: LimitSettings = LimitSettings()
+    quality: QualitySettings = QualitySettings()
+    log_json: bool = Field(False, description="one JSON object per log line (the container images set true)")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    # The parts of a PostgreSQL URL (used when FACEREC_DATABASE__URL is not set).
+    db_host: str = Field("", description="PostgreSQL host")
+    db_port: int = Field(5432, gt=0, lt=65536, description="PostgreSQL port")
+    db_name: str = Field("facerec", description="PostgreSQL database")
+    db_user: str = Field("facerec", description="PostgreSQL user")
+    db_password: SecretStr | None = Field(None, description="PostgreSQL password")
+
+    @model_validator(mode="after")
+    def database_url(self) -> Self:
+        """FACEREC_DATABASE__URL wins; else a PostgreSQL URL from FACEREC_DB_*; else SQLite in data/."""
+        if "url" in self.database.model_fields_set or not self.db_host:
+            return self
+        password = None if self.db_password is None else self.db_password.get_secret_value() or None
+        url = URL.create("postgresql+psycopg", username=self.db_user,
+                         password=password, host=self.db_host,
+                         port=self.db_port, database=self.db_name)
+        self.database = DatabaseSettings(url=url.render_as_string(hide_password=False))
+        return self
+
+
+class GatewaySettings(Settings):
+    """The REST gateway's settings: everything above plus the admin key."""
+
+    security: SecuritySettings
+
+
+S = TypeVar("S", bound=Settings)
+
+
+def load_settings(kind: type[S], **overrides: Any) -> S:
+    """Settings from the environment (``overrides`` win, deep-merged); a readable SystemExit that names
+    the bad fields, and never their values, when they are incomplete or invalid."""
+    try:
+        return kind(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
+                             for error in exc.errors())
+        hint = (" (set FACEREC_SECURITY__ADMIN_KEY, at least 16 characters, and the database settings)"
+                if issubclass(kind, GatewaySettings) else "")
+        raise SystemExit(f"settings are incomplete or invalid: {problems}{hint}") from None

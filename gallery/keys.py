@@ -1,0 +1,73 @@
+"""Stored API keys: only the SHA-256 of each key, per collection, with its revocation time.
+
+The gateway's ``service/auth.py`` makes and checks keys; this module is where they are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gallery.db import Database
+from gallery.errors import NotFound
+from gallery.models import ApiKey, Collection, utcnow
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    id: int
+    collection: str
+    prefix: str
+    label: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyRecords:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def find(self, key_hash: str) -> tuple[int, str] | None:
+        """(key id, collection name) of a key that is not revoked, by its hash."""
+        with self.db.read() as session:
+            row = session.execute(
+                select(ApiKey.id, Collection.name)
+                .join(Collection, Collection.id == ApiKey.collection_id)
+                .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
+            ).first()
+        return None if row is None else (int(row[0]), str(row[1]))
+
+    @staticmethod
+    def _owner(session: Session, collection: str) -> Collection:
+        owner = session.scalar(select(Collection).where(Collection.name == collection))
+        if owner is None:
+            raise NotFound(f"collection {collection!r} does not exist", collection=collection)
+        return owner
+
+    def add(self, collection: str, prefix: str, key_hash: str, label: str) -> KeyInfo:
+        with self.db.write() as session:
+            row = ApiKey(collection_id=self._owner(session, collection).id, prefix=prefix, key_hash=key_hash,
+                         label=label)
+            session.add(row)
+            session.flush()
+            return KeyInfo(row.id, collection, prefix, label, row.created_at, None)
+
+    def list(self, collection: str) -> list[KeyInfo]:
+        with self.db.read() as session:
+            owner = self._owner(session, collection)
+            rows = session.scalars(select(ApiKey).where(ApiKey.collection_id == owner.id).order_by(ApiKey.id))
+            return [KeyInfo(r.id, collection, r.prefix, r.label, r.created_at, r.revoked_at) for r in rows]
+
+    def revoke(self, collection: str, key_id: int) -> None:
+        with self.db.write() as session:
+            row = session.scalar(
+                select(ApiKey).join(Collection, Collection.id == ApiKey.collection_id)
+                .where(ApiKey.id == key_id, Collection.name == collection)
+            )
+            if row is None:
+                raise NotFound(f"key {key_id} does not exist in {collection!r}", key_id=key_id)
+            if row.revoked_at is None:
+                row.revoked_at = utcnow()

@@ -1,0 +1,145 @@
+"""Detect, identify (1:N), enroll and verify (1:1): ``face_pipeline`` on Triton plus the gallery.
+
+Each call asks the served embedding model once (cached after the first answer), checks it against the
+collection once, in memory, applies the threshold default once, and makes at most one thread-pool hop
+for its database and FAISS work; the event loop only awaits. Results are plain dataclasses: the REST
+layer turns them into responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from facecore.client import AsyncPipeline
+from facecore.contract import Faces
+from facecore.spec import ModelSpec
+from gallery.gallery import Gallery, SearchResult
+from gallery.store import CollectionInfo, FaceInfo, GalleryStore, IdentityInfo, check_model
+from recognition.enrollment import EnrollmentRules, enrollable_face, largest
+from recognition.errors import Refused
+
+#: Width of the logistic that turns a cosine score into a confidence: 0.5 at the threshold,
+#: 0.95 at threshold + 0.15 (see docs/calibration.md for how it was chosen and its limits).
+CONFIDENCE_SCALE = 0.05
+
+
+def confidence(score: float, threshold: float) -> float:
+    return round(1.0 / (1.0 + math.exp(-(score - threshold) / CONFIDENCE_SCALE)), 4)
+
+
+@dataclass(frozen=True)
+class Identified:
+    faces: Faces
+    results: list[SearchResult]  # one per face, in the order of ``faces``
+    threshold: float
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    identity: IdentityInfo
+    faces: list[FaceInfo]
+
+
+@dataclass(frozen=True)
+class Verified:
+    score: float
+    threshold: float
+    face_a: tuple[Faces, int]
+    face_b: tuple[Faces, int] | None = None  # None: verified against an identity's enrolled faces
+
+    @property
+    def same(self) -> bool:
+        return self.score >= self.threshold
+
+
+#: Called after every face_pipeline call with its latency in seconds and the faces it found.
+Observer = Callable[[float, int], None]
+
+
+class Recognition:
+    def __init__(self, pipeline: AsyncPipeline, gallery: Gallery, store: GalleryStore, max_faces: int,
+                 observe: Observer | None = None) -> None:
+        self.pipeline, self.gallery, self.store = pipeline, gallery, store
+        self.max_faces = max_faces
+        self._observe = observe
+        self._embedder: ModelSpec | None = None
+
+    async def embedder(self) -> ModelSpec:
+        """The embedding model served by Triton (asked once, when Triton first answers)."""
+        if self._embedder is None:
+            self._embedder = await self.pipeline.embedder()
+        return self._embedder
+
+    async def collection(self, name: str) -> CollectionInfo:
+        """The collection, checked against the served model: from memory when the gallery holds it."""
+        spec = await self.embedder()
+        info = self.gallery.cached_info(name)
+        if info is None:
+            info = await asyncio.to_thread(self.gallery.collection_info, name)  # raises NotFound
+        check_model(info, spec.name)
+        return info
+
+    async def analyze(self, data: bytes, crops: bool = False) -> Faces:
+        started = time.perf_counter()
+        faces = await self.pipeline.infer(data, max_faces=self.max_faces, return_crops=crops)
+        if self._observe is not None:
+            self._observe(time.perf_counter() - started, len(faces))
+        return faces
+
+    async def detect(self, data: bytes) -> Faces:
+        return await self.analyze(data)
+
+    async def identify(self, collection: str, data: bytes, k: int, threshold: float | None) -> Identified:
+        info = await self.collection(collection)
+        faces = await self.analyze(data)
+        limit = info.match_threshold if threshold is None else threshold
+        results = await asyncio.to_thread(self.gallery.search, collection, faces.embeddings, k,
+                                          limit) if len(faces) else []
+        return Identified(faces, results, limit)
+
+    async def enroll(self, collection: str, external_id: str, images: Sequence[bytes], rules: EnrollmentRules,
+                     create: tuple[str, dict[str, Any]] | None = None) -> Enrolled:
+        """All images or none: every image must give one face that passes the quality gate."""
+        info = await self.collection(collection)
+        analyzed = await asyncio.gather(*(self.analyze(data, crops=True) for data in images))
+        new_faces = [enrollable_face(faces, data, rules, index)
+                     for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
+
+        def store() -> Enrolled:
+            identity, stored = self.store.add_faces(collection, external_id, new_faces, info.embedding_model,
+                                                    create)
+            self.gallery.sync()
+            return Enrolled(identity, stored)
+
+        return await asyncio.to_thread(store)
+
+    async def _one_face(self, data: bytes, label: str) -> tuple[Faces, int]:
+        faces = await self.analyze(data)
+        if len(faces) == 0:
+            raise Refused(f"{label}: no face found", "no_face")
+        return faces, largest(faces)
+
+    async def verify_images(self, a: bytes, b: bytes, threshold: float | None) -> Verified:
+        spec = await self.embedder()
+        (fa, ia), (fb, ib) = await asyncio.gather(self._one_face(a, "image_a"), self._one_face(b, "image_b"))
+        score = float(fa.embeddings[ia] @ fb.embeddings[ib])
+        limit = spec.match_threshold if threshold is None else threshold
+        return Verified(score, limit, (fa, ia), (fb, ib))
+
+    async def verify_identity(self, collection: str, external_id: str, data: bytes, threshold: float | None
+                              ) -> Verified:
+        info = await self.collection(collection)
+        faces, index = await self._one_face(data, "image")
+        enrolled = await asyncio.to_thread(self.store.identity_vectors, collection, external_id)
+        if len(enrolled) == 0:
+            raise Refused(f"identity {external_id!r} has no enrolled face", "no_enrolled_face")
+        score = float(np.max(enrolled @ faces.embeddings[index]))
+        limit = info.match_threshold if threshold is None else threshold
+        return Verified(score, limit, (faces, index))

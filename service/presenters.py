@@ -1,0 +1,70 @@
+"""The use cases' results as REST responses (``service.schemas``); nothing here does work of its own."""
+
+from __future__ import annotations
+
+from facecore.contract import Faces
+from facecore.quality import assess
+from gallery.gallery import Candidate as GalleryCandidate
+from gallery.store import FaceInfo, IdentityInfo
+from recognition.usecases import Enrolled, Identified, Verified, confidence
+from service import schemas
+
+
+def box(values: list[float]) -> schemas.Box:
+    return schemas.Box(x1=values[0], y1=values[1], x2=values[2], y2=values[3])
+
+
+def detected_face(faces: Faces, i: int) -> schemas.DetectedFace:
+    quality = assess(faces.boxes[i], faces.landmarks[i], float(faces.blur[i]), float(faces.scores[i]))
+    return schemas.DetectedFace(
+        box=box(faces.boxes[i].tolist()), score=float(faces.scores[i]),
+        landmarks=[schemas.Point(x=float(x), y=float(y)) for x, y in faces.landmarks[i]],
+        quality=schemas.Quality(**quality.as_dict()),
+    )
+
+
+def detect_response(faces: Faces) -> schemas.DetectResponse:
+    return schemas.DetectResponse(width=faces.width, height=faces.height,
+                                  faces=[detected_face(faces, i) for i in range(len(faces))])
+
+
+def candidate(found: GalleryCandidate, threshold: float) -> schemas.Candidate:
+    return schemas.Candidate(external_id=found.external_id, name=found.name, score=round(found.score, 6),
+                             confidence=confidence(found.score, threshold))
+
+
+def identify_response(identified: Identified) -> schemas.IdentifyResponse:
+    faces, limit = identified.faces, identified.threshold
+    out = []
+    for i, result in enumerate(identified.results):
+        match = result.match
+        out.append(schemas.IdentifiedFace(
+            box=box(faces.boxes[i].tolist()), score=float(faces.scores[i]),
+            landmarks=[schemas.Point(x=float(x), y=float(y)) for x, y in faces.landmarks[i]],
+            decision="match" if match is not None else "unknown",
+            identity=candidate(match, limit) if match is not None else None,
+            candidates=[candidate(c, limit) for c in result.candidates]))
+    return schemas.IdentifyResponse(width=faces.width, height=faces.height, threshold=limit, faces=out)
+
+
+def verify_response(verified: Verified) -> schemas.VerifyResponse:
+    face_b = None if verified.face_b is None else detected_face(*verified.face_b)
+    return schemas.VerifyResponse(score=round(verified.score, 6),
+                                  confidence=confidence(verified.score, verified.threshold),
+                                  threshold=verified.threshold, same=verified.same,
+                                  face_a=detected_face(*verified.face_a), face_b=face_b)
+
+
+def identity_out(info: IdentityInfo) -> schemas.IdentityOut:
+    return schemas.IdentityOut.model_validate(info, from_attributes=True)
+
+
+def face_out(info: FaceInfo) -> schemas.FaceOut:
+    data = {name: getattr(info, name)
+            for name in ("id", "image_sha256", "detection_score", "quality", "has_crop", "created_at")}
+    return schemas.FaceOut(box=box(info.box), **data)
+
+
+def enroll_response(enrolled: Enrolled) -> schemas.EnrollResponse:
+    return schemas.EnrollResponse(identity=identity_out(enrolled.identity),
+                                  faces=[face_out(f) for f in enrolled.faces])
