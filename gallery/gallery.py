@@ -118,7 +118,8 @@ class Gallery:
 
     def _build(self, info: CollectionInfo) -> _Collection:
         ids, identities, vectors = self.store.collection_vectors(info.id, info.dimension)
-        index = FaceIndex.build(info.dimension, ids, vectors, self.config, self._force_tombstones)
+        index = FaceIndex.build(info.dimension, ids, vectors, self.config, self._force_tombstones, identities,
+                                info.match_threshold)
         return _Collection(info, index, dict(zip(ids.tolist(), identities.tolist(), strict=True)))
 
     def rebuild(self, collection: str | None = None) -> None:

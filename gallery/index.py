@@ -1,12 +1,12 @@
 """One FAISS index per collection: inner product on L2-normalized vectors, FAISS ids = face ids.
 
-Exact (``IndexFlatIP``) up to ``exact_max`` vectors; above it an IVF index is trained and used only
-when its recall@10 against exact search, measured on this collection (less two standard errors of
-that measurement), reaches ``target_recall`` while scanning at most ``max_scan_fraction`` of its
-lists (the measurement is logged either way; face embeddings have little cluster structure, so
-large low-dimensional galleries may stay exact). On a GPU (when FAISS reports one) the index is
-copied to it; GPU indexes cannot ``remove_ids``, so removals become tombstones filtered at search
-time until the gallery rebuilds the index from the database.
+Exact (``IndexFlatIP``) up to ``exact_max`` vectors. Above it the index is chosen from measurements on
+the collection itself (``gallery.selection``): 4-bit PQ fast-scan or 8-bit scalar-quantized codes with
+an exact re-rank from the stored vectors (``gallery.refine``), or IVF, each kept only when its recall@10
+lower bound and its decision agreement with exact search reach the targets and it is fast enough;
+otherwise the collection stays exact. On a GPU (when FAISS reports one) flat and IVF indexes are copied
+to it; GPU indexes cannot ``remove_ids``, so removals become tombstones filtered at search time until
+the gallery rebuilds the index from the database.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, cast
@@ -29,6 +27,19 @@ import numpy as np
 from numpy.typing import NDArray
 
 from facecore.files import sha256_of, sha256_of_handle
+from gallery.refine import RefinedIndex
+from gallery.selection import (
+    IndexConfig,
+    Measurement,
+    genuine_probes,
+    impostor_probes,
+    recall_at_k,
+    recall_lower_bound,
+    select,
+)
+
+__all__ = ["FaceIndex", "IndexConfig", "IndexKind", "Measurement", "genuine_probes", "impostor_probes",
+           "recall_at_k", "recall_lower_bound"]
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +50,12 @@ Vectors = NDArray[np.float32]
 class IndexKind(StrEnum):
     FLAT = "flat"
     IVF = "ivf"
+    PQ4FS = "pq4fs"  # 4-bit PQ fast-scan codes + exact re-rank
+    SQ8 = "sq8"  # 8-bit scalar-quantized codes + exact re-rank
 
-
-@dataclass(frozen=True)
-class IndexConfig:
-    exact_max: int = 200_000
-    target_recall: float = 0.99
-    use_gpu: bool = True  # only when faiss.get_num_gpus() > 0
-    recall_queries: int = 500
-    #: IVF is kept only when it reaches the recall scanning at most this fraction of its lists
-    #: (0.5: at least ~2x less work than the exact scan); otherwise the collection stays exact.
-    max_scan_fraction: float = 0.5
-    #: Rebuild a tombstoned (GPU) index when this fraction of its vectors is removed.
-    compact_fraction: float = 0.1
+    @property
+    def refined(self) -> bool:
+        return self in (IndexKind.PQ4FS, IndexKind.SQ8)
 
 
 def gpu_available() -> bool:
@@ -62,45 +66,6 @@ def _flat(dimension: int) -> Any:
     return faiss.IndexIDMap2(faiss.IndexFlatIP(dimension))
 
 
-def recall_at_k(approximate: Ids, exact: Ids) -> float:
-    """Mean fraction of the exact top-k ids that the approximate search also returned."""
-    hits = sum(len(set(a[a >= 0]) & set(e[e >= 0])) for a, e in zip(approximate, exact, strict=True))
-    total = sum(int((e >= 0).sum()) for e in exact)
-    return hits / total if total else 1.0
-
-
-def recall_lower_bound(recall: float, queries: int, k: int = 10) -> float:
-    """Recall measured on ``queries`` probes minus two standard errors (binomial over queries x k).
-
-    ``_try_ivf`` stops at the first nprobe that reaches the target, which flatters the figure it
-    stopped on; requiring the lower bound to reach it leaves a margin for new queries (a margin,
-    not a guarantee: see the held-out recall in docs/benchmarks/gallery.md).
-    """
-    return recall - 2 * math.sqrt(max(recall * (1 - recall), 0.0) / (queries * k))
-
-
-def _nprobe_steps(nlist: int) -> list[int]:
-    """nprobe values to try, growing by about sqrt(2) (1, 2, 3, 4, 6, 8, 11, 16, ...) up to nlist."""
-    steps: list[int] = []
-    value = 1.0
-    while round(value) < nlist:
-        if not steps or round(value) > steps[-1]:
-            steps.append(round(value))
-        value *= math.sqrt(2)
-    return [*steps, nlist]
-
-
-def genuine_probes(vectors: Vectors, count: int, similarity: float = 0.75, seed: int = 0) -> Vectors:
-    """Queries like a new photo of an enrolled person: each at ~``similarity`` cosine to a stored vector."""
-    rng = np.random.default_rng(seed)
-    picked = vectors[rng.choice(len(vectors), size=min(count, len(vectors)), replace=False)]
-    noise = rng.standard_normal(picked.shape).astype(np.float32)
-    noise -= (noise * picked).sum(axis=1, keepdims=True) * picked  # orthogonal to the source
-    noise /= np.linalg.norm(noise, axis=1, keepdims=True)
-    probes = similarity * picked + math.sqrt(1 - similarity**2) * noise
-    return np.ascontiguousarray(probes / np.linalg.norm(probes, axis=1, keepdims=True), dtype=np.float32)
-
-
 class FaceIndex:
     """A FAISS index with idempotent add/remove and top-k search returning (scores, ids)."""
 
@@ -109,8 +74,10 @@ class FaceIndex:
         self.dimension = dimension
         self.config = config or IndexConfig()
         self.kind = IndexKind.FLAT
-        self.nprobe = 0
+        self.nprobe = 0  # IVF: lists scanned; refined kinds: re-rank depth (the tuned search effort)
         self.recall: float | None = None
+        #: What the build measured (every candidate tried), empty for an exact index never compared.
+        self.selection: list[Measurement] = []
         self._cpu: Any = _flat(dimension)
         self._ids: set[int] = set()
         self._tombstones: set[int] = set()
@@ -188,42 +155,29 @@ class FaceIndex:
 
     @classmethod
     def build(cls, dimension: int, ids: Ids, vectors: Vectors, config: IndexConfig | None = None,
-              force_tombstones: bool = False) -> FaceIndex:
-        """A fresh index over these vectors: exact, or IVF when large enough and accurate enough."""
+              force_tombstones: bool = False, identities: Ids | None = None,
+              threshold: float | None = None) -> FaceIndex:
+        """A fresh index over these vectors: exact, or the candidate chosen by measurement above
+        ``exact_max`` (``identities`` and the collection's ``threshold`` make the decision agreement
+        count identities; without them each face is its own identity)."""
         index = cls(dimension, config, force_tombstones)
         if len(ids) > index.config.exact_max:
-            index._try_ivf(ids, vectors)
+            ids = np.asarray(ids, np.int64)
+            chosen, index.selection, _ = select(ids, vectors, identities, threshold, index.config)
+            if chosen is not None:
+                index._adopt(chosen.index, IndexKind(chosen.kind), ids)
+            index.recall = next((m.recall for m in index.selection if m.kind == index.kind.value),
+                                index.selection[-1].recall if index.selection else None)
         if index.kind is IndexKind.FLAT:
             index.add(ids, vectors)
         return index
 
-    def _try_ivf(self, ids: Ids, vectors: Vectors) -> None:
-        nlist = int(min(65536, max(16, 4 * math.sqrt(len(ids)))))
-        quantizer = faiss.IndexFlatIP(self.dimension)
-        ivf = faiss.IndexIVFFlat(quantizer, self.dimension, nlist, faiss.METRIC_INNER_PRODUCT)
-        sample = vectors[np.random.default_rng(0).choice(len(vectors), size=min(len(vectors), nlist * 64),
-                                                         replace=False)]
-        ivf.train(np.ascontiguousarray(sample))
-        ivf.add_with_ids(np.ascontiguousarray(vectors), np.asarray(ids, np.int64))
-        probes = genuine_probes(vectors, self.config.recall_queries)
-        truth = np.asarray(ids, np.int64)[_exact_top10(probes, vectors)]
-        budget = max(1, int(self.config.max_scan_fraction * nlist))  # more lists than this: stay exact
-        for nprobe in [n for n in _nprobe_steps(nlist) if n <= budget]:
-            ivf.nprobe = nprobe
-            recall = recall_at_k(ivf.search(probes, 10)[1], truth)
-            bound = recall_lower_bound(recall, len(probes))
-            if bound >= self.config.target_recall:
-                break
-        log.info("IVF%d over %d vectors: recall@10 %.4f (lower bound %.4f) at nprobe %d "
-                 "(%.0f%% of lists scanned)", nlist, len(ids), recall, bound, nprobe, 100 * nprobe / nlist)
-        self.recall = recall
-        if bound >= self.config.target_recall:
-            self._cpu, self.kind, self.nprobe = ivf, IndexKind.IVF, nprobe
-            self._index = self._to_device(ivf)
-            self._ids = set(np.asarray(ids).tolist())
-        else:
-            log.warning("staying exact: IVF would need to scan more than %.0f%% of the lists for recall %.3f",
-                        100 * self.config.max_scan_fraction, self.config.target_recall)
+    def _adopt(self, built: Any, kind: IndexKind, ids: Ids) -> None:
+        self.kind = kind
+        self.nprobe = int(built.rerank) if kind.refined else int(built.nprobe)
+        self._cpu = built
+        self._index = built if kind.refined else self._to_device(built)
+        self._ids = set(ids.tolist())
 
     # --- snapshots ----------------------------------------------------------------------------
 
@@ -234,13 +188,17 @@ class FaceIndex:
         exclusive lock on ``<name>.lock``; ``load`` reads the pair under a shared lock, so even two
         processes sharing the folder never pair one save's index with another's metadata.
         """
-        cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
         token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         staged = path.with_name(f"{path.name}.{token}.partial")
-        faiss.write_index(cpu, str(staged))
+        if self.kind.refined:
+            staged.write_bytes(self._index.to_bytes())
+        else:
+            cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
+            faiss.write_index(cpu, str(staged))
         _fsync(staged)
         meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
                 "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": sha256_of(staged),
+                "selection": [m.as_dict() for m in self.selection],
                 **(extra or {})}
         meta_path = path.with_suffix(".json")
         staged_meta = meta_path.with_name(f"{meta_path.name}.{token}.partial")
@@ -261,37 +219,22 @@ class FaceIndex:
             if not isinstance(meta, dict) or meta.get("sha256") != sha256_of_handle(handle):
                 raise ValueError(f"snapshot {path} does not match its metadata (digest differs)")
             handle.seek(0)  # the bytes just hashed are the ones loaded
-            reader = faiss.PyCallbackIOReader(handle.read, 1 << 22)  # type: ignore[attr-defined]
-            cpu = faiss.read_index(reader)
+            kind = IndexKind(meta["kind"])
+            cpu = (RefinedIndex.from_file(handle) if kind.refined
+                   else faiss.read_index(faiss.PyCallbackIOReader(handle.read, 1 << 22)))  # type: ignore[attr-defined]
         index = cls(int(meta["dimension"]), config, force_tombstones)
-        index.kind, index.nprobe = IndexKind(meta["kind"]), int(meta["nprobe"])
-        if index.kind is IndexKind.IVF:
+        index.kind, index.nprobe = kind, int(meta["nprobe"])
+        index.selection = [Measurement(**m) for m in meta.get("selection", [])]
+        if kind is IndexKind.IVF and not isinstance(cpu, RefinedIndex):
             faiss.extract_index_ivf(cpu).nprobe = index.nprobe
-        # a FLAT snapshot is an IndexIDMap: faiss's stubs type read_index as plain Index (no id_map)
-        stored = (faiss.vector_to_array(cpu.id_map)  # type: ignore[attr-defined]
-                  if index.kind is IndexKind.FLAT else _ivf_ids(cpu))
+        stored = _stored_ids(cpu, kind)
         index._tombstones = set(int(i) for i in meta.get("tombstones", []))
         index._ids = set(stored.tolist()) - index._tombstones
         if len(index._ids) != int(meta["ids"]):
             raise ValueError(f"snapshot {path} holds {len(index._ids)} ids, its metadata says {meta['ids']}")
         index._cpu = cpu
-        index._index = index._to_device(cpu)
+        index._index = cpu if kind.refined else index._to_device(cpu)
         return index, meta
-
-
-def _exact_top10(queries: Vectors, vectors: Vectors, chunk: int = 65536) -> NDArray[np.int64]:
-    """Rows of the 10 best inner products per query, by brute force in chunks (no second index)."""
-    best_scores = np.full((len(queries), 0), -np.inf, np.float32)
-    best_rows = np.zeros((len(queries), 0), np.int64)
-    for start in range(0, len(vectors), chunk):
-        scores = queries @ vectors[start : start + chunk].T
-        rows = np.broadcast_to(np.arange(start, start + scores.shape[1]), scores.shape)
-        best_scores = np.concatenate([best_scores, scores], axis=1)
-        best_rows = np.concatenate([best_rows, rows], axis=1)
-        keep = np.argsort(-best_scores, axis=1, kind="stable")[:, :10]
-        best_scores = np.take_along_axis(best_scores, keep, 1)
-        best_rows = np.take_along_axis(best_rows, keep, 1)
-    return best_rows
 
 
 @contextlib.contextmanager
@@ -318,6 +261,14 @@ def _pair_lock(path: Path, exclusive: bool) -> Iterator[None]:
 def _fsync(path: Path) -> None:
     with path.open("rb") as handle:
         os.fsync(handle.fileno())
+
+
+def _stored_ids(index: Any, kind: IndexKind) -> Ids:
+    if kind.refined:
+        return cast(Ids, index.live_ids())
+    if kind is IndexKind.FLAT:  # an IndexIDMap: faiss's stubs type read_index as plain Index (no id_map)
+        return cast(Ids, faiss.vector_to_array(index.id_map))
+    return _ivf_ids(index)
 
 
 def _ivf_ids(index: Any) -> Ids:

@@ -14,7 +14,7 @@ import pytest
 from numpy.typing import NDArray
 from sqlalchemy import Engine
 
-import gallery.index as index_module
+import gallery.selection as selection
 from gallery.errors import InvalidEmbedding
 from gallery.gallery import Gallery, SearchResult
 from gallery.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
@@ -305,22 +305,28 @@ def measured_recall(index: FaceIndex, ids: NDArray[np.int64], vectors: NDArray[n
     return recall_at_k(index.search(probes, 10)[1], truth)
 
 
+#: IVF alone, kept without timing it against the exact scan (these galleries are small: exact is faster)
+IVF_ONLY = IndexConfig(exact_max=1000, candidates=("ivf",), latency_check=False)
+
+
 def test_ivf_chosen_when_recall_reaches_target(caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(5)
     vectors = clustered(rng, 60, 50, 32)
     ids = np.arange(1000, 1000 + len(vectors), dtype=np.int64)
-    with caplog.at_level(logging.INFO, logger="gallery.index"):
-        index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000))
+    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+        index = FaceIndex.build(32, ids, vectors, IVF_ONLY)
     assert index.kind is IndexKind.IVF and index.nprobe >= 1
     assert index.recall is not None and index.recall >= 0.99
     assert len(index) == len(ids) and index.ids == set(ids.tolist())
     logged = [r.getMessage() for r in caplog.records if "recall@10" in r.getMessage()]
-    assert len(logged) == 1 and f"{index.recall:.4f}" in logged[0] and f"nprobe {index.nprobe}" in logged[0]
+    assert len(logged) == 1 and f"{index.recall:.4f}" in logged[0] and f"effort {index.nprobe}" in logged[0]
+    (measured,) = index.selection
+    assert measured.accurate and measured.kind == "ivf" and measured.effort == index.nprobe
     # an independent measurement (other probes) agrees
     assert measured_recall(index, ids, vectors, seed=99) >= 0.98
     # small indexes stay exact without measuring anything
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="gallery.index"):
+    with caplog.at_level(logging.INFO, logger="gallery.selection"):
         small = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=len(ids)))
     assert small.kind is IndexKind.FLAT and small.recall is None and not caplog.records
 
@@ -332,14 +338,14 @@ def test_ivf_only_at_target_recall(monkeypatch: pytest.MonkeyPatch, caplog: pyte
     """The decision follows the measurement: the same clustered data with the measured recall pinned
     below the 0.99 target, above it but with a lower bound (500 tuning queries) just under it, and
     with the lower bound just over it."""
-    bound = index_module.recall_lower_bound(recall, IndexConfig().recall_queries)
+    bound = selection.recall_lower_bound(recall, IndexConfig().recall_queries)
     assert (bound >= 0.99) is (kind is IndexKind.IVF) and abs(bound - 0.99) < 0.003
     rng = np.random.default_rng(5)
     vectors = clustered(rng, 60, 50, 32)
     ids = np.arange(len(vectors), dtype=np.int64)
-    monkeypatch.setattr(index_module, "recall_at_k", lambda approximate, exact: recall)
-    with caplog.at_level(logging.INFO, logger="gallery.index"):
-        index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000))
+    monkeypatch.setattr(selection, "recall_at_k", lambda approximate, exact: recall)
+    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+        index = FaceIndex.build(32, ids, vectors, IVF_ONLY)
     assert index.kind is kind and index.recall == recall
     assert any(f"recall@10 {recall:.4f}" in r.getMessage() for r in caplog.records)
     if kind is IndexKind.FLAT:
@@ -351,21 +357,21 @@ def test_ivf_only_at_target_recall(monkeypatch: pytest.MonkeyPatch, caplog: pyte
 
 
 def test_nprobe_steps_and_recall_bound() -> None:
-    steps = index_module._nprobe_steps(4000)
+    steps = selection.nprobe_steps(4000)
     assert steps[:9] == [1, 2, 3, 4, 6, 8, 11, 16, 23] and steps[-1] == 4000
     assert all(1.2 < b / a <= 2 for a, b in itertools.pairwise(steps[:-1]))
-    assert index_module._nprobe_steps(16)[-1] == 16 and index_module._nprobe_steps(1) == [1]
+    assert selection.nprobe_steps(16)[-1] == 16 and selection.nprobe_steps(1) == [1]
     # perfect recall has no error; fewer queries widen the margin
-    assert index_module.recall_lower_bound(1.0, 10) == 1.0
-    assert index_module.recall_lower_bound(0.99, 50) < index_module.recall_lower_bound(0.99, 500) < 0.99
+    assert selection.recall_lower_bound(1.0, 10) == 1.0
+    assert selection.recall_lower_bound(0.99, 50) < selection.recall_lower_bound(0.99, 500) < 0.99
 
 def test_ivf_refused_on_unclustered_data(caplog: pytest.LogCaptureFixture) -> None:
     """Uniform random vectors: IVF cannot reach the recall cheaply, so the index stays exact."""
     rng = np.random.default_rng(6)
     vectors = unit_vectors(rng, 3000, 32)
     ids = np.arange(len(vectors), dtype=np.int64)
-    with caplog.at_level(logging.INFO, logger="gallery.index"):
-        index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000))
+    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+        index = FaceIndex.build(32, ids, vectors, IVF_ONLY)
     assert index.kind is IndexKind.FLAT and index.recall is not None
     assert any("recall@10" in r.getMessage() for r in caplog.records)
     assert any("staying exact" in r.getMessage() for r in caplog.records)
@@ -375,14 +381,19 @@ def test_ivf_refused_on_unclustered_data(caplog: pytest.LogCaptureFixture) -> No
 # --- snapshots ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["flat", "ivf", "tombstones"])
+def approximate(kind: str, exact_max: int = 1000) -> IndexConfig:
+    """A config that keeps the first accurate ``kind`` candidate above ``exact_max`` faces."""
+    return IndexConfig(exact_max=exact_max, candidates=(kind,), latency_check=False)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "pq4fs", "sq8", "tombstones"])
 def test_face_index_snapshot_round_trip(tmp_path: Path, kind: str) -> None:
     rng = np.random.default_rng(9)
     vectors = clustered(rng, 60, 50, 32)
     ids = np.arange(5, 5 + len(vectors), dtype=np.int64)
-    config = IndexConfig(exact_max=1000 if kind == "ivf" else 10_000)
+    config = IndexConfig(exact_max=10_000) if kind in ("flat", "tombstones") else approximate(kind)
     index = FaceIndex.build(32, ids, vectors, config, force_tombstones=kind == "tombstones")
-    assert index.kind is (IndexKind.IVF if kind == "ivf" else IndexKind.FLAT)
+    assert index.kind is (IndexKind.FLAT if kind == "tombstones" else IndexKind(kind))
     index.remove(ids[:40])
     index.add(np.array([90_000]), unit_vectors(rng, 1, 32))
     path = tmp_path / "c.faiss"
@@ -391,6 +402,7 @@ def test_face_index_snapshot_round_trip(tmp_path: Path, kind: str) -> None:
     loaded, meta = FaceIndex.load(path, config, force_tombstones=kind == "tombstones")
     assert meta["seq"] == 42 and meta["embedding_model"] == MODEL
     assert (loaded.kind, loaded.nprobe, loaded.ids) == (index.kind, index.nprobe, index.ids)
+    assert loaded.selection == index.selection
     queries = np.concatenate([genuine_probes(vectors, 50, seed=3), vectors[:50]])
     for k in (1, 10):
         expected, got = index.search(queries, k), loaded.search(queries, k)
@@ -449,14 +461,14 @@ def same_results(a: list[SearchResult], b: list[SearchResult]) -> bool:
     return [r.candidates for r in a] == [r.candidates for r in b]
 
 
-@pytest.mark.parametrize("kind", ["flat", "ivf"])
+@pytest.mark.parametrize("kind", ["flat", "ivf", "pq4fs"])
 def test_gallery_snapshot_round_trip(store: GalleryStore, engine: Engine, tmp_path: Path,
                                      monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     rng = np.random.default_rng(12)
     dimension = 32
     store.create_collection("s", MODEL, dimension, 0.5)
     enroll_clustered(store, rng, "s", 40, 12, dimension)
-    config = IndexConfig(exact_max=300 if kind == "ivf" else 10_000)
+    config = IndexConfig(exact_max=10_000) if kind == "flat" else approximate(kind, 300)
     first = Gallery(store, tmp_path, config)
     first.load()
     assert first._entry("s").index.kind is IndexKind(kind)

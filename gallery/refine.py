@@ -1,0 +1,162 @@
+"""Compressed codes scanned fast, the best candidates re-scored exactly from the stored float32 vectors.
+
+``RefinedIndex`` holds every vector twice: as short codes in a FAISS index (4-bit PQ fast-scan or 8-bit
+scalar quantization) that ranks the whole collection cheaply, and as float32 rows that re-score the
+``rerank`` best candidates by their exact inner product. Scores returned are therefore exact; only a
+true neighbour that the codes rank below ``rerank`` can be missed (what the recall measurement at build
+time bounds). FAISS's own ``IndexRefineFlat`` does the same but can neither remove ids nor be shared
+across threads, so this class keeps the float32 rows itself: removal zeroes a row at once (an erased
+vector does not linger in memory) and removes its codes. The codes are split into ``shards`` FAISS
+indexes searched in parallel threads, so one query uses every core (FAISS parallelizes over queries
+only).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import faiss
+import numpy as np
+from numpy.typing import NDArray
+
+Ids = NDArray[np.int64]
+Vectors = NDArray[np.float32]
+
+
+def pq4_fast_scan(dimension: int) -> Any:
+    """4-bit PQ fast-scan codes: one sub-quantizer per 4 dimensions at 128-d (16 bytes per face), per
+    8 dimensions above 256-d (32 bytes at 512-d: at 4 dims the scan would cost twice as much)."""
+    width = 4 if dimension <= 256 else 8
+    subquantizers = max(1, dimension // width)
+    while dimension % subquantizers:
+        subquantizers -= 1
+    return faiss.IndexPQFastScan(dimension, subquantizers, 4, faiss.METRIC_INNER_PRODUCT)
+
+
+def sq8(dimension: int) -> Any:
+    return faiss.IndexScalarQuantizer(dimension, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+
+
+CODES: dict[str, Callable[[int], Any]] = {"pq4fs": pq4_fast_scan, "sq8": sq8}
+
+
+class RefinedIndex:
+    """FAISS-like ``add_with_ids`` / ``remove_ids`` / ``search`` over (codes, exact re-rank)."""
+
+    def __init__(self, dimension: int, shards: list[Any], rerank: int) -> None:
+        self.d = dimension
+        self.rerank = rerank
+        self._shards = shards  # trained FAISS indexes; labels are positions within each shard
+        self._shard_rows = [np.zeros(0, np.int64) for _ in shards]  # position -> row of the store
+        self._vectors = np.zeros((0, dimension), np.float32)  # rows; erased rows are zeroed
+        self._row_ids = np.zeros(0, np.int64)  # row -> face id (-1: erased)
+        self._used = 0
+        self._pool = ThreadPoolExecutor(len(shards)) if len(shards) > 1 else None
+
+    @classmethod
+    def train(cls, codes: str, dimension: int, sample: Vectors, shards: int, rerank: int) -> RefinedIndex:
+        first = CODES[codes](dimension)
+        first.train(np.ascontiguousarray(sample, dtype=np.float32))
+        return cls(dimension, [first] + [faiss.clone_index(first) for _ in range(shards - 1)], rerank)
+
+    @property
+    def ntotal(self) -> int:
+        return sum(len(rows) for rows in self._shard_rows)
+
+    # --- changes -----------------------------------------------------------------------------
+
+    def _grow(self, extra: int) -> None:
+        needed = self._used + extra
+        if needed <= len(self._vectors):
+            return
+        capacity = max(needed, int(len(self._vectors) * 1.25) + 1024)
+        vectors = np.zeros((capacity, self.d), np.float32)
+        vectors[: self._used] = self._vectors[: self._used]
+        row_ids = np.full(capacity, -1, np.int64)
+        row_ids[: self._used] = self._row_ids[: self._used]
+        self._vectors, self._row_ids = vectors, row_ids
+
+    def add_with_ids(self, vectors: Vectors, ids: Ids) -> None:
+        matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+        ids = np.asarray(ids, dtype=np.int64)
+        self._grow(len(matrix))
+        rows = np.arange(self._used, self._used + len(matrix), dtype=np.int64)
+        self._vectors[rows] = matrix
+        self._row_ids[rows] = ids
+        self._used += len(matrix)
+        # spread over the shards: each takes an equal slice (the smallest takes the remainder)
+        order = np.argsort([len(r) for r in self._shard_rows], kind="stable")
+        for number, part in zip(order.tolist(), np.array_split(np.arange(len(matrix)), len(self._shards)),
+                                strict=True):
+            if len(part):
+                self._shards[number].add(matrix[part])
+                self._shard_rows[number] = np.concatenate([self._shard_rows[number], rows[part]])
+
+    def remove_ids(self, ids: Ids) -> int:
+        rows = np.flatnonzero(np.isin(self._row_ids[: self._used], np.asarray(ids, dtype=np.int64)))
+        if not len(rows):
+            return 0
+        self._vectors[rows] = 0.0  # the erased vector leaves memory now, not at the next rebuild
+        self._row_ids[rows] = -1
+        for number, shard_rows in enumerate(self._shard_rows):
+            dead = np.isin(shard_rows, rows)
+            if dead.any():  # removal keeps the order of the remaining positions (checked by the tests)
+                self._shards[number].remove_ids(faiss.IDSelectorBatch(np.flatnonzero(dead).astype(np.int64)))
+                self._shard_rows[number] = shard_rows[~dead]
+        return len(rows)
+
+    # --- search ------------------------------------------------------------------------------
+
+    def _candidates(self, queries: Vectors, depth: int) -> NDArray[np.int64]:
+        """Rows of the ``depth`` best codes of every shard, [nq, shards * depth] (-1 where none)."""
+
+        def one(number: int) -> NDArray[np.int64]:
+            rows = self._shard_rows[number]
+            if not len(rows):
+                return np.full((len(queries), 0), -1, np.int64)
+            _, positions = self._shards[number].search(queries, min(depth, len(rows)))
+            return np.where(positions >= 0, rows[np.maximum(positions, 0)], -1)
+
+        numbers = range(len(self._shards))
+        parts = list(self._pool.map(one, numbers)) if self._pool is not None else [one(n) for n in numbers]
+        return np.concatenate(parts, axis=1)
+
+    def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
+        queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.d)
+        rows = self._candidates(queries, max(self.rerank, k))
+        scores = np.einsum("qcd,qd->qc", self._vectors[np.maximum(rows, 0)], queries)
+        scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)
+        ids = np.where(rows >= 0, self._row_ids[np.maximum(rows, 0)], -1)
+        order = np.lexsort((ids, -scores), axis=1)[:, :k]  # best score first; equal scores by id
+        return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+
+    # --- persistence -------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        arrays: dict[str, Any] = {"vectors": self._vectors[: self._used],
+                                  "row_ids": self._row_ids[: self._used], "rerank": np.array([self.rerank])}
+        for number, shard in enumerate(self._shards):
+            arrays[f"codes{number}"] = faiss.serialize_index(shard)
+            arrays[f"rows{number}"] = self._shard_rows[number]
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_file(cls, handle: Any) -> RefinedIndex:
+        with np.load(handle, allow_pickle=False) as data:
+            count = sum(1 for name in data.files if name.startswith("codes"))
+            shards = [faiss.deserialize_index(data[f"codes{n}"]) for n in range(count)]
+            index = cls(int(data["vectors"].shape[1]), shards, int(data["rerank"][0]))
+            index._vectors = np.array(data["vectors"], np.float32)
+            index._row_ids = np.array(data["row_ids"], np.int64)
+            index._shard_rows = [np.array(data[f"rows{n}"], np.int64) for n in range(count)]
+        index._used = len(index._vectors)
+        return index
+
+    def live_ids(self) -> Ids:
+        ids = self._row_ids[: self._used]
+        return ids[ids >= 0]

@@ -1,0 +1,340 @@
+"""Choosing a collection's index from measurements on its own vectors.
+
+Above ``exact_max`` faces each candidate of ``IndexConfig.candidates`` is built in turn and its search
+effort (re-rank depth for the refined indexes, nprobe for IVF) raised step by step until, on probes made
+from the collection itself, it reaches
+
+- **recall@10** against exact search whose lower bound (less two standard errors) is at least
+  ``target_recall``, and
+- **decision agreement** with exact search: the same top-1 identity at or above the collection's
+  threshold, or the same *unknown* below it, on at least ``target_genuine_agreement`` of the genuine
+  probes (a new photo of an enrolled face) and ``target_impostor_agreement`` of the impostor probes
+  (someone not enrolled, drawn from the collection's own distribution).
+
+Its single-query latency is then measured; the first candidate within ``target_p99_ms`` is kept, else the
+fastest accurate one if it beats the exact scan, else the collection stays exact. Every measurement is
+logged and kept on the index (``FaceIndex.selection``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import faiss
+import numpy as np
+from numpy.typing import NDArray
+
+from gallery.refine import CODES, RefinedIndex
+
+log = logging.getLogger(__name__)
+
+Ids = NDArray[np.int64]
+Vectors = NDArray[np.float32]
+K = 10
+#: Exact top-1 scores closer than this count as tied (float32 inner products).
+TIE = 1e-6
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    exact_max: int = 200_000
+    #: Tried in this order above ``exact_max``; the first that meets every target is kept.
+    candidates: tuple[str, ...] = ("pq4fs", "sq8", "ivf")
+    target_recall: float = 0.99
+    target_genuine_agreement: float = 1.0
+    target_impostor_agreement: float = 0.999
+    target_p99_ms: float = 5.0
+    #: False: keep the first accurate candidate without timing it against the exact scan (tests).
+    latency_check: bool = True
+    #: Decision threshold for the agreement when the caller does not give the collection's own.
+    match_threshold: float = 0.363
+    use_gpu: bool = True  # only when faiss.get_num_gpus() > 0
+    recall_queries: int = 500
+    impostor_queries: int = 2000
+    latency_queries: int = 100
+    #: Re-rank depths tried for the refined indexes.
+    rerank_steps: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    #: Shards searched in parallel by one query (0: one per FAISS OpenMP thread).
+    shards: int = 0
+    #: IVF is kept only when it reaches the recall scanning at most this fraction of its lists.
+    max_scan_fraction: float = 0.5
+    #: Rebuild a tombstoned (GPU) index when this fraction of its vectors is removed.
+    compact_fraction: float = 0.1
+
+
+# --- probes ------------------------------------------------------------------------------------
+
+
+def genuine_probes(vectors: Vectors, count: int, similarity: float = 0.75, seed: int = 0) -> Vectors:
+    """Queries like a new photo of an enrolled person: each at ~``similarity`` cosine to a stored vector."""
+    rng = np.random.default_rng(seed)
+    picked = vectors[rng.choice(len(vectors), size=min(count, len(vectors)), replace=False)]
+    noise = rng.standard_normal(picked.shape).astype(np.float32)
+    noise -= (noise * picked).sum(axis=1, keepdims=True) * picked  # orthogonal to the source
+    noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+    probes = similarity * picked + math.sqrt(1 - similarity**2) * noise
+    return np.ascontiguousarray(probes / np.linalg.norm(probes, axis=1, keepdims=True), dtype=np.float32)
+
+
+def impostor_probes(vectors: Vectors, count: int, seed: int = 0) -> Vectors:
+    """Queries like someone not enrolled: drawn from a Gaussian fitted to the collection (its mean and
+    per-dimension spread, so real embeddings' common direction is kept), L2-normalized."""
+    rng = np.random.default_rng(seed + 7919)
+    sample = vectors[rng.choice(len(vectors), size=min(len(vectors), 20_000), replace=False)]
+    mean, spread = sample.mean(axis=0), sample.std(axis=0) + 1e-6
+    probes = mean + spread * rng.standard_normal((count, vectors.shape[1])).astype(np.float32)
+    return np.ascontiguousarray(probes / np.linalg.norm(probes, axis=1, keepdims=True), dtype=np.float32)
+
+
+# --- measures ----------------------------------------------------------------------------------
+
+
+def recall_at_k(approximate: Ids, exact: Ids) -> float:
+    """Mean fraction of the exact top-k ids that the approximate search also returned."""
+    hits = sum(len(set(a[a >= 0]) & set(e[e >= 0])) for a, e in zip(approximate, exact, strict=True))
+    total = sum(int((e >= 0).sum()) for e in exact)
+    return hits / total if total else 1.0
+
+
+def recall_lower_bound(recall: float, queries: int, k: int = K) -> float:
+    """Recall measured on ``queries`` probes minus two standard errors (binomial over queries x k).
+
+    The search effort stops at the first step that reaches the target, which flatters the figure it
+    stopped on; requiring the lower bound to reach it leaves a margin for new queries (a margin, not a
+    guarantee: see the held-out recall in docs/benchmarks/gallery.md).
+    """
+    return recall - 2 * math.sqrt(max(recall * (1 - recall), 0.0) / (queries * k))
+
+
+def decisions(scores: Vectors, ids: Ids, identity_of: Callable[[Ids], Ids], threshold: float) -> Ids:
+    """Per query: the identity of the best face when it reaches ``threshold``, else -1 (unknown)."""
+    best = identity_of(np.maximum(ids[:, 0], 0))
+    return np.where((ids[:, 0] >= 0) & (scores[:, 0] >= threshold), best, -1)
+
+
+def decision_agreement(approximate: tuple[Vectors, Ids], exact: tuple[Vectors, Ids],
+                       identity_of: Callable[[Ids], Ids], threshold: float) -> float:
+    """Fraction of queries decided alike: same identity above the threshold, or both unknown. A tie for
+    the exact first place (another face at the same score) counts as agreement."""
+    mine = decisions(*approximate, identity_of, threshold)
+    truth = decisions(*exact, identity_of, threshold)
+    tied = np.abs(approximate[0][:, 0] - exact[0][:, 0]) <= TIE
+    return float(((mine == truth) | tied).mean()) if len(mine) else 1.0
+
+
+def exact_search(queries: Vectors, vectors: Vectors, ids: Ids, k: int) -> tuple[Vectors, Ids]:
+    scores, rows = faiss.knn(np.ascontiguousarray(queries), np.ascontiguousarray(vectors),
+                             min(k, len(vectors)), metric=faiss.METRIC_INNER_PRODUCT)
+    return scores.astype(np.float32), np.where(rows >= 0, ids[np.maximum(rows, 0)], -1)
+
+
+def latency_ms(search: Callable[[Vectors], Any], queries: Vectors) -> tuple[float, float]:
+    """p50 and p99 of one query per call (after 3 warm-up calls)."""
+    for query in queries[:3]:
+        search(query[None])
+    times = []
+    for query in queries:
+        began = time.perf_counter()
+        search(query[None])
+        times.append((time.perf_counter() - began) * 1000)
+    p50, p99 = np.percentile(times, [50, 99])
+    return float(p50), float(p99)
+
+
+# --- candidates --------------------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    """What the selection measured for one candidate at the effort it stopped on."""
+
+    kind: str
+    effort: int  # re-rank depth, or nprobe for IVF
+    recall: float
+    recall_bound: float
+    genuine_agreement: float
+    impostor_agreement: float
+    accurate: bool
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    build_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Candidate:
+    """One kind of index over the collection, with a search-effort knob."""
+
+    kind = ""
+
+    def efforts(self) -> Iterator[int]:
+        raise NotImplementedError
+
+    def set_effort(self, effort: int) -> None:
+        raise NotImplementedError
+
+    def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
+        raise NotImplementedError
+
+    index: Any = None
+
+
+class Refined(Candidate):
+    def __init__(self, kind: str, ids: Ids, vectors: Vectors, shards: int, steps: tuple[int, ...]) -> None:
+        self.kind, self.steps = kind, steps
+        sample = vectors[np.random.default_rng(0).choice(len(vectors), size=min(len(vectors), 65_536),
+                                                         replace=False)]
+        self.index = RefinedIndex.train(kind, vectors.shape[1], sample, shards, steps[0])
+        self.index.add_with_ids(vectors, ids)
+
+    def efforts(self) -> Iterator[int]:
+        yield from self.steps
+
+    def set_effort(self, effort: int) -> None:
+        self.index.rerank = effort
+
+    def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
+        scores, ids = self.index.search(queries, k)
+        return scores, ids
+
+
+class Ivf(Candidate):
+    kind = "ivf"
+
+    def __init__(self, ids: Ids, vectors: Vectors, max_scan_fraction: float) -> None:
+        dimension = vectors.shape[1]
+        self.nlist = int(min(65536, max(16, 4 * math.sqrt(len(ids)))))
+        self.index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dimension), dimension, self.nlist,
+                                        faiss.METRIC_INNER_PRODUCT)
+        rng = np.random.default_rng(0)
+        self.index.train(np.ascontiguousarray(vectors[rng.choice(len(vectors), size=min(len(vectors),
+                                                                                        self.nlist * 64),
+                                                                 replace=False)]))
+        self.index.add_with_ids(np.ascontiguousarray(vectors), np.asarray(ids, np.int64))
+        self.budget = max(1, int(max_scan_fraction * self.nlist))  # more lists than this: not worth it
+
+    def efforts(self) -> Iterator[int]:
+        yield from (n for n in nprobe_steps(self.nlist) if n <= self.budget)
+
+    def set_effort(self, effort: int) -> None:
+        self.index.nprobe = effort
+
+    def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
+        scores, ids = self.index.search(queries, k)
+        return scores, ids
+
+
+def nprobe_steps(nlist: int) -> list[int]:
+    """nprobe values to try, growing by about sqrt(2) (1, 2, 3, 4, 6, 8, 11, 16, ...) up to nlist."""
+    steps: list[int] = []
+    value = 1.0
+    while round(value) < nlist:
+        if not steps or round(value) > steps[-1]:
+            steps.append(round(value))
+        value *= math.sqrt(2)
+    return [*steps, nlist]
+
+
+def make_candidate(kind: str, ids: Ids, vectors: Vectors, config: IndexConfig) -> Candidate:
+    if kind == "ivf":
+        return Ivf(ids, vectors, config.max_scan_fraction)
+    if kind in CODES:
+        shards = config.shards or max(1, faiss.omp_get_max_threads())
+        return Refined(kind, ids, vectors, shards, config.rerank_steps)
+    raise ValueError(f"unknown index candidate {kind!r} (choose from ivf, {', '.join(CODES)})")
+
+
+@dataclass
+class Probes:
+    """Genuine and impostor probes of one collection with their exact answers."""
+
+    genuine: Vectors
+    impostor: Vectors
+    genuine_exact: tuple[Vectors, Ids]
+    impostor_exact: tuple[Vectors, Ids]
+    identity_of: Callable[[Ids], Ids]
+    threshold: float
+
+    @classmethod
+    def of(cls, ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float,
+           config: IndexConfig) -> Probes:
+        genuine = genuine_probes(vectors, config.recall_queries)
+        impostor = impostor_probes(vectors, config.impostor_queries)
+        order = np.argsort(ids)
+        sorted_ids, owners = ids[order], (ids if identities is None else identities)[order]
+
+        def identity_of(face_ids: Ids) -> Ids:
+            return owners[np.clip(np.searchsorted(sorted_ids, face_ids), 0, len(sorted_ids) - 1)]
+
+        return cls(genuine, impostor, exact_search(genuine, vectors, ids, K),
+                   exact_search(impostor, vectors, ids, 1), identity_of, threshold)
+
+    def measure(self, candidate: Candidate, effort: int, config: IndexConfig) -> Measurement:
+        candidate.set_effort(effort)
+        genuine = candidate.search(self.genuine, K)
+        impostor = candidate.search(self.impostor, 1)
+        recall = recall_at_k(genuine[1], self.genuine_exact[1])
+        bound = recall_lower_bound(recall, len(self.genuine))
+        agree_g = decision_agreement(genuine, self.genuine_exact, self.identity_of, self.threshold)
+        agree_i = decision_agreement(impostor, self.impostor_exact, self.identity_of, self.threshold)
+        accurate = (bound >= config.target_recall and agree_g >= config.target_genuine_agreement
+                    and agree_i >= config.target_impostor_agreement)
+        return Measurement(candidate.kind, effort, recall, bound, agree_g, agree_i, accurate)
+
+
+def tune(candidate: Candidate, probes: Probes, config: IndexConfig) -> Measurement:
+    """Raise the effort until the accuracy targets are met (or the last step); latency when met."""
+    measured: Measurement | None = None
+    for effort in candidate.efforts():
+        measured = probes.measure(candidate, effort, config)
+        if measured.accurate:
+            break
+    if measured is None:
+        raise ValueError(f"{candidate.kind}: no search effort to try")
+    if measured.accurate and config.latency_check:
+        measured.p50_ms, measured.p99_ms = latency_ms(lambda q: candidate.search(q, K),
+                                                      probes.genuine[: config.latency_queries])
+    return measured
+
+
+def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float | None, config: IndexConfig
+           ) -> tuple[Candidate | None, list[Measurement], float]:
+    """(the chosen candidate or None for exact, every measurement, the exact scan's median in ms)."""
+    probes = Probes.of(ids, vectors, identities, config.match_threshold if threshold is None else threshold,
+                       config)
+    exact_p50 = (latency_ms(lambda q: exact_search(q, vectors, ids, K), probes.genuine[:20])[0]
+                 if config.latency_check else float("inf"))
+    measurements: list[Measurement] = []
+    best: tuple[float, Candidate] | None = None
+    for kind in config.candidates:
+        began = time.perf_counter()
+        candidate = make_candidate(kind, ids, vectors, config)
+        measured = tune(candidate, probes, config)
+        measured.build_s = time.perf_counter() - began
+        measurements.append(measured)
+        timing = "-" if measured.p99_ms is None else f"{measured.p50_ms:.2f}/{measured.p99_ms:.2f}"
+        log.info("%s over %d vectors: recall@10 %.4f (lower bound %.4f), decision agreement %.4f genuine / "
+                 "%.4f impostor at effort %d; p50/p99 %s ms (exact p50 %.2f ms)", kind, len(ids),
+                 measured.recall, measured.recall_bound, measured.genuine_agreement,
+                 measured.impostor_agreement, measured.effort, timing, exact_p50)
+        if not measured.accurate:
+            continue
+        if not config.latency_check:
+            best = (0.0, candidate)
+            break
+        # kept when its median beats the exact scan's (medians: robust to a noisy machine)
+        if (measured.p50_ms is not None and measured.p99_ms is not None and measured.p50_ms < exact_p50
+                and (best is None or measured.p99_ms < best[0])):
+            best = (measured.p99_ms, candidate)
+        if best is not None and best[0] <= config.target_p99_ms:
+            break
+    if best is None:
+        log.warning("staying exact: no candidate of %s met the targets and beat the exact scan (%.2f ms)",
+                    ", ".join(config.candidates), exact_p50)
+    return (None if best is None else best[1]), measurements, exact_p50

@@ -1,0 +1,185 @@
+"""Refined indexes (codes + exact re-rank), decision agreement and the measured choice of an index."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+import gallery.selection as selection
+from gallery.index import FaceIndex, IndexConfig, IndexKind
+from gallery.refine import RefinedIndex, pq4_fast_scan
+from tests.gallery_helpers import unit_vectors
+
+
+def face_like(identities: int, per_identity: int, dimension: int, seed: int = 0) -> NDArray[np.float32]:
+    """Faces of one identity at cosine ~0.75 to each other, ~0 to others (like bench/gallery.py's)."""
+    rng = np.random.default_rng(seed)
+    centres = unit_vectors(rng, identities, dimension).repeat(per_identity, axis=0)
+    sigma = math.sqrt(1 / 0.75 - 1) / math.sqrt(dimension)
+    faces = centres + sigma * rng.standard_normal(centres.shape).astype(np.float32)
+    normalized: NDArray[np.float32] = (faces / np.linalg.norm(faces, axis=1, keepdims=True)).astype("f4")
+    return normalized
+
+
+def brute(queries: NDArray[np.float32], ids: NDArray[np.int64], vectors: NDArray[np.float32], k: int
+          ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
+    scores = queries @ vectors.T
+    order = np.lexsort((np.broadcast_to(ids, scores.shape), -scores), axis=1)[:, :k]
+    return np.take_along_axis(scores, order, 1), ids[order]
+
+
+# --- RefinedIndex ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codes", ["pq4fs", "sq8"])
+@pytest.mark.parametrize("shards", [1, 2])
+def test_refined_index_with_full_rerank_is_exact_through_adds_and_removals(codes: str, shards: int) -> None:
+    """Re-ranking every candidate makes the refined index exact: it must then equal brute force, scores
+    included, after adds and removals in any order (removal must keep the positions of the rest)."""
+    rng = np.random.default_rng(1)
+    vectors = unit_vectors(rng, 900, 32)
+    ids = rng.permutation(np.arange(10_000, 10_900)).astype(np.int64)
+    index = RefinedIndex.train(codes, 32, vectors, shards, rerank=2000)
+    index.add_with_ids(vectors[:600], ids[:600])
+    index.add_with_ids(vectors[600:], ids[600:])
+    assert index.ntotal == 900
+    removed = rng.choice(ids, size=250, replace=False)
+    assert index.remove_ids(removed) == 250 and index.remove_ids(removed[:5]) == 0
+    keep = ~np.isin(ids, removed)
+    assert index.ntotal == 650 and set(index.live_ids().tolist()) == set(ids[keep].tolist())
+    queries = np.concatenate([unit_vectors(rng, 20, 32), vectors[keep][:20]])
+    scores, found = index.search(queries, 7)
+    want_scores, want_ids = brute(queries, ids[keep], vectors[keep], 7)
+    np.testing.assert_array_equal(found, want_ids)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-6)
+    # an erased vector leaves memory at once: its row is zeroed
+    rows = np.flatnonzero(~keep)
+    assert not index._vectors[rows].any() and (index._row_ids[rows] == -1).all()
+
+
+def test_refined_index_scores_are_exact_and_round_trip() -> None:
+    vectors = face_like(300, 10, 64)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    index = RefinedIndex.train("pq4fs", 64, vectors, 2, rerank=64)
+    index.add_with_ids(vectors, ids)
+    queries = selection.genuine_probes(vectors, 50, seed=3)
+    scores, found = index.search(queries, 10)
+    np.testing.assert_allclose(scores, np.einsum("qkd,qd->qk", vectors[found], queries), atol=1e-6)
+    index.remove_ids(ids[:100])
+    restored = RefinedIndex.from_file(__import__("io").BytesIO(index.to_bytes()))
+    assert restored.rerank == 64 and restored.ntotal == index.ntotal
+    for a, b in zip(restored.search(queries, 10), index.search(queries, 10), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert pq4_fast_scan(128).M == 32 and pq4_fast_scan(512).M == 64
+
+
+# --- decision agreement ------------------------------------------------------------------------
+
+
+def test_decision_agreement_counts_identities_unknowns_and_ties() -> None:
+    identity = {1: 10, 2: 10, 3: 30, 4: 40}
+
+    def identity_of(face_ids: NDArray[np.int64]) -> NDArray[np.int64]:
+        return np.array([identity.get(int(f), -5) for f in face_ids], np.int64)
+
+    exact = (np.array([[0.9], [0.8], [0.2], [0.7], [0.6]], np.float32), np.array([[1], [3], [4], [3], [4]]))
+    approx = (np.array([[0.85], [0.79], [0.19], [0.7], [0.55]], np.float32),
+              np.array([[2], [4], [1], [1], [3]]))
+    # 1: same identity via another face; 2: other identity (disagree); 3: both unknown at 0.5;
+    # 4: a different face at exactly the same score (a tie: agree); 5: other identity, 0.55 vs 0.6
+    assert selection.decisions(*exact, identity_of, 0.5).tolist() == [10, 30, -1, 30, 40]
+    assert selection.decision_agreement(approx, exact, identity_of, 0.5) == pytest.approx(3 / 5)
+    # at 0.58 the fifth probe is "40" for exact and "unknown" for the approximate answer: still differs
+    assert selection.decision_agreement(approx, exact, identity_of, 0.58) == pytest.approx(3 / 5)
+    # at 0.95 everything is unknown: full agreement
+    assert selection.decision_agreement(approx, exact, identity_of, 0.95) == 1.0
+
+
+def test_impostor_probes_follow_the_collection_distribution() -> None:
+    rng = np.random.default_rng(4)
+    common = unit_vectors(rng, 1, 64)[0]
+    faces = 0.4 * common + unit_vectors(rng, 5000, 64) * 0.9  # real embeddings share a direction
+    faces = (faces / np.linalg.norm(faces, axis=1, keepdims=True)).astype(np.float32)
+    probes = selection.impostor_probes(faces, 500)
+    pair = float(np.mean(np.sum(faces[:2500] * faces[2500:], axis=1)))
+    probe = float(np.mean(probes @ faces[:500].T))
+    assert pair > 0.1 and abs(probe - pair) < 0.05  # as similar to the gallery as its faces are to each other
+    np.testing.assert_allclose(np.linalg.norm(probes, axis=1), 1.0, atol=1e-5)
+
+
+# --- choosing an index -------------------------------------------------------------------------
+
+
+def accurate_only(kind: str) -> IndexConfig:
+    return IndexConfig(exact_max=1000, candidates=(kind,), latency_check=False, recall_queries=300,
+                       impostor_queries=1000)
+
+
+@pytest.mark.parametrize("kind", ["pq4fs", "sq8"])
+def test_refined_candidate_is_chosen_and_holds_on_new_probes(kind: str, caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    vectors = face_like(2000, 10, 64)
+    ids = np.arange(7, 7 + len(vectors), dtype=np.int64)
+    identities = ids // 10
+    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+        index = FaceIndex.build(64, ids, vectors, accurate_only(kind), identities=identities, threshold=0.363)
+    assert index.kind is IndexKind(kind) and index.nprobe in IndexConfig().rerank_steps
+    (measured,) = index.selection
+    assert measured.accurate and measured.recall_bound >= 0.99
+    assert measured.genuine_agreement == 1.0 and measured.impostor_agreement >= 0.999
+    assert any("decision agreement" in r.getMessage() for r in caplog.records)
+    # held-out probes (other seeds) agree with exact search too
+    identity_of = dict(zip(ids.tolist(), identities.tolist(), strict=True))
+
+    def owner(face_ids: NDArray[np.int64]) -> NDArray[np.int64]:
+        return np.array([identity_of.get(int(f), -1) for f in face_ids], np.int64)
+
+    held_out = (selection.genuine_probes(vectors, 300, seed=11), selection.impostor_probes(vectors, 500, 12))
+    for probes in held_out:
+        exact = selection.exact_search(probes, vectors, ids, 10)
+        assert selection.decision_agreement(index.search(probes, 10), exact, owner, 0.363) >= 0.998
+        assert selection.recall_at_k(index.search(probes, 10)[1], exact[1]) >= 0.98
+
+
+def test_a_candidate_short_of_impostor_agreement_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The same data with the impostor agreement pinned at 0.998 (< 0.999): exact is kept."""
+    vectors = face_like(300, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    real = selection.decision_agreement
+    calls: list[int] = []
+
+    def pinned(approximate: object, exact: tuple[NDArray[np.float32], NDArray[np.int64]],
+               identity_of: object, threshold: float) -> float:
+        calls.append(len(exact[1]))
+        # impostor probes are searched with k=1: pin those, leave the genuine ones measured
+        return 0.998 if exact[1].shape[1] == 1 else real(approximate, exact, identity_of, threshold)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(selection, "decision_agreement", pinned)
+    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+        index = FaceIndex.build(32, ids, vectors, accurate_only("pq4fs"))
+    assert index.kind is IndexKind.FLAT and len(index) == len(ids)
+    (measured,) = index.selection
+    assert not measured.accurate and measured.effort == IndexConfig().rerank_steps[-1]
+    assert len(calls) == 2 * len(IndexConfig().rerank_steps)  # every step was tried
+    assert any("staying exact" in r.getMessage() for r in caplog.records)
+
+
+def test_exact_is_kept_when_it_is_faster() -> None:
+    """With the latency check on, a small collection stays exact: nothing beats scanning 3000 vectors."""
+    vectors = face_like(300, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000, candidates=("sq8",)))
+    (measured,) = index.selection
+    assert index.kind is IndexKind.FLAT
+    assert measured.accurate and measured.p99_ms is not None and measured.p99_ms > 0
+
+
+def test_unknown_candidate_is_a_clear_error() -> None:
+    vectors = face_like(200, 10, 16)
+    with pytest.raises(ValueError, match="unknown index candidate 'hnsw'"):
+        FaceIndex.build(16, np.arange(len(vectors)), vectors, IndexConfig(exact_max=10, candidates=("hnsw",)))
