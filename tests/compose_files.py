@@ -229,7 +229,7 @@ def volume_mount(entry: str | dict[str, Any]) -> Mount:
     return Mount(parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(","))
 
 
-def port(entry: str | int | dict[str, Any]) -> Port:
+def port_spec(entry: str | int | dict[str, Any]) -> Port:
     """A service port in short (``[[IP:]PUBLISHED:]TARGET[/PROTOCOL]``) or long syntax."""
     if isinstance(entry, dict):
         published = entry.get("published")
@@ -254,7 +254,7 @@ _REPLACED = {("command",), ("entrypoint",), ("healthcheck", "test")}
 #: Service attributes modelled as sequences whose entries are unique by a key ("Unique resources").
 _UNIQUE: dict[tuple[str, ...], Callable[[Any], object]] = {
     ("volumes",): lambda entry: volume_mount(entry).target,
-    ("ports",): port,  # {ip, target, published, protocol}
+    ("ports",): port_spec,  # {ip, target, published, protocol}
     ("secrets",): _file_target,
     ("configs",): _file_target,
 }

@@ -20,7 +20,7 @@ from tests.compose_files import (
     merge,
     parse_compose,
     plain,
-    port,
+    port_spec,
     read_env_file,
     substitute,
     variables,
@@ -131,11 +131,11 @@ def test_short_syntax() -> None:
     assert volume_mount("/cache") == Mount("", "/cache", False)
     assert volume_mount({"type": "bind", "source": "./a", "target": "/a", "read_only": True}) == \
         Mount("./a", "/a", True)
-    assert port("127.0.0.1:8000:80") == Port("127.0.0.1", "8000", "80", "tcp")
-    assert port("8000:80/udp") == Port("", "8000", "80", "udp")
-    assert port(9000) == Port("", "", "9000", "tcp")
-    assert port("[::1]:53:53") == Port("[::1]", "53", "53", "tcp")
-    assert port({"target": 80, "published": 8080, "host_ip": "0.0.0.0"}) == \
+    assert port_spec("127.0.0.1:8000:80") == Port("127.0.0.1", "8000", "80", "tcp")
+    assert port_spec("8000:80/udp") == Port("", "8000", "80", "udp")
+    assert port_spec(9000) == Port("", "", "9000", "tcp")
+    assert port_spec("[::1]:53:53") == Port("[::1]", "53", "53", "tcp")
+    assert port_spec({"target": 80, "published": 8080, "host_ip": "0.0.0.0"}) == \
         Port("0.0.0.0", "8080", "80", "tcp")
 
 
