@@ -28,6 +28,7 @@ from facecore.processing import (
     l2_normalize,
     letterbox,
     postprocess_detections,
+    softmax,
     to_tensor,
 )
 from facecore.spec import ModelSpec, Role, spec_from_dict
@@ -178,6 +179,8 @@ def detect(
         batch = to_tensor(np.stack([canvas for canvas, _ in boxed]), spec.swap_rb, spec.mean, spec.std)
         outputs = [detector(batch[part]) for part in _chunks(len(members), settings.detector_max_batch)]
         loc, conf, landms = (np.concatenate([out[k] for out in outputs]) for k in range(3))
+        if not spec.conf_softmax:  # the description says the network gives class logits
+            conf = softmax(conf)
         for k, (i, (_, scale)) in enumerate(zip(members, boxed, strict=True)):
             image = images[i]
             found[i] = postprocess_detections(loc[k], conf[k], landms[k], size, scale,

@@ -14,6 +14,7 @@ from typing import Any
 import cv2
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from numpy.typing import NDArray
 
 from facecore.contract import Faces, Input, RequestOptions
 from facecore.pipeline import PipelineSettings, run_pipeline, validate_options
@@ -29,7 +30,7 @@ from facecore.processing import (
 from facecore.triton_config import parameters
 
 
-def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+def bls(model_name: str, inputs: dict[str, FloatArray], outputs: list[str]) -> list[FloatArray]:
     """One synchronous BLS call; a Triton error becomes an exception."""
     request = pb_utils.InferenceRequest(
         model_name=model_name,
@@ -37,12 +38,19 @@ def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> l
         inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
     )
     response = request.exec()
-    if response.has_error():
-        raise pb_utils.TritonModelException(f"{model_name}: {response.error().message()}")
-    return [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs]
+    error = response.error() if response.has_error() else None
+    if error is not None:
+        raise pb_utils.TritonModelException(f"{model_name}: {error.message()}")
+    arrays = []
+    for name in outputs:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is None:
+            raise pb_utils.TritonModelException(f"{model_name} returned no {name}")
+        arrays.append(np.asarray(tensor.as_numpy(), dtype=np.float32))
+    return arrays
 
 
-def input_array(request: Any, name: str) -> np.ndarray | None:
+def input_array(request: Any, name: str) -> NDArray[Any] | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
 

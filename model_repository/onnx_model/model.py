@@ -13,12 +13,20 @@ from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from numpy.typing import NDArray
 
 from facecore.onnx_runtime import create_session
 from facecore.triton_config import parameters, tensor_names
 
 
-def _groups(arrays: list[np.ndarray]) -> dict[tuple[int, ...], list[int]]:
+def _input(request: Any, name: str) -> NDArray[Any]:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:  # Triton checks required inputs before execute; this only narrows the type
+        raise pb_utils.TritonModelException(f"missing input {name}")
+    return tensor.as_numpy()
+
+
+def _groups(arrays: list[NDArray[Any]]) -> dict[tuple[int, ...], list[int]]:
     """Request indices grouped by per-item shape (everything after the batch axis)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, array in enumerate(arrays):
@@ -40,7 +48,7 @@ class TritonPythonModel:
         self.output_names = tensor_names(config, "output")
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
+        inputs = [_input(r, self.input_name) for r in requests]
         responses: list[Any] = [None] * len(requests)
         for indices in _groups(inputs).values():
             batch = np.concatenate([inputs[i] for i in indices]) if len(indices) > 1 else inputs[indices[0]]
