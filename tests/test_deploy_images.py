@@ -29,7 +29,7 @@ from tests.deploy_helpers import (
     stage_names,
 )
 
-FIRST_PARTY = {"facecore", "export", "service", "gallery"}
+FIRST_PARTY = {"facecore", "export", "service", "gallery", "recognition"}
 #: Imported only when installed (inside try/except), so an image may lack them.
 OPTIONAL_IMPORTS = {"watchfiles",  # uvicorn: --reload
                     "pygments"}  # mako (alembic's templates): syntax highlighting
