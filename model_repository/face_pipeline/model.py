@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from numpy.typing import NDArray
 
 from facecore.contract import Faces, Input, RequestOptions
-from facecore.pipeline import PipelineSettings, run_pipeline, validate_options
+from facecore.pipeline import NetworkInput, PipelineSettings, run_pipeline, validate_options
 from facecore.processing import (
     DetectOptions,
     FloatArray,
@@ -30,7 +30,7 @@ from facecore.processing import (
 from facecore.triton_config import parameters
 
 
-def bls(model_name: str, inputs: dict[str, FloatArray], outputs: list[str]) -> list[FloatArray]:
+def bls(model_name: str, inputs: dict[str, NDArray[Any]], outputs: list[str]) -> list[FloatArray]:
     """One synchronous BLS call; a Triton error becomes an exception."""
     request = pb_utils.InferenceRequest(
         model_name=model_name,
@@ -103,12 +103,12 @@ class TritonPythonModel:
         self.embedder_io = (embedder.input_name, list(embedder.output_names))
         warm_up_python(self.settings)
 
-    def detect(self, batch: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def detect(self, batch: NetworkInput) -> tuple[FloatArray, FloatArray, FloatArray]:
         name, outputs = self.detector_io
         loc, conf, landms = bls(self.settings.detector_model, {name: batch}, outputs)
         return loc, conf, landms
 
-    def embed(self, batch: FloatArray) -> FloatArray:
+    def embed(self, batch: NetworkInput) -> FloatArray:
         name, outputs = self.embedder_io
         (out,) = bls(self.settings.embedder_model, {name: batch}, outputs)
         return out
