@@ -157,6 +157,18 @@ def _runtime_parameters(plan: RepositoryPlan, role: str, precision: PrecisionChe
     return params
 
 
+def _in_process_parameters(detector: mc.ModelConfig, embedder: mc.ModelConfig) -> dict[str, str]:
+    """face_pipeline's parameters for running the two networks itself, as their own configs say."""
+    params = {"layout": "in_process"}
+    for role, config in (("detector", detector), ("embedder", embedder)):
+        values = config.parameters
+        params |= {f"{role}_runtime": values["runtime"].string_value,
+                   f"{role}_precision": values["precision"].string_value,
+                   f"{role}_threads": values["intra_op_threads"].string_value,
+                   "intra_op_spinning": values["intra_op_spinning"].string_value}
+    return params
+
+
 def served_detector(spec: ModelSpec, source: Path, target: Path) -> ModelSpec:
     """Write the detector as served — uint8 NHWC input, the normalization inside the graph — to ``target``
     and return its description (a detector that already takes uint8 is copied as it is)."""
@@ -201,6 +213,10 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
                              embedder_file),
             PIPELINE_MODEL: (_pipeline_config(plan, settings), None),
         }
+        in_process = plan.profile is Profile.CPU and tuning.layout == "in_process"
+        if in_process:  # face_pipeline runs both networks itself (the models stay, for re-embedding)
+            _set_parameters(models[PIPELINE_MODEL][0], _in_process_parameters(
+                models[DETECTOR_MODEL][0], models[EMBEDDER_MODEL][0]))
         for name, (config, _) in models.items():
             _check_compatible(out / name, config)
         for name, (config, onnx_file) in models.items():
@@ -212,6 +228,12 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
                     shutil.copyfile(SOURCES / "onnx_model" / "model.py", version_dir / "model.py")
             else:
                 shutil.copyfile(SOURCES / "face_pipeline" / "model.py", version_dir / "model.py")
+                for role, network in (("detector", served_file), ("embedder", embedder_file)):
+                    target = version_dir / f"{role}.onnx"
+                    if in_process:
+                        shutil.copyfile(network, target)
+                    else:
+                        target.unlink(missing_ok=True)
             _write_config(out / name, config)
     for check in checks.values():
         log.info("%s", check.summary())
