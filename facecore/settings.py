@@ -72,6 +72,9 @@ class LimitSettings(BaseModel):
                                   description="images per batch identify or enroll call")
     request_timeout_s: float = Field(_LIMITS.request_timeout_s, gt=0, description="504 after this")
     max_k: int = Field(_LIMITS.max_k, gt=0, description="largest top-k a caller may ask for")
+    max_in_flight: int = Field(_LIMITS.max_in_flight, gt=0,
+                               description="recognition requests in the gateway at once; beyond, "
+                                           "503 overloaded")
 
 
 class QualitySettings(BaseModel):

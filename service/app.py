@@ -26,6 +26,7 @@ from gallery.gallery import Gallery
 from gallery.index import IndexConfig
 from gallery.store import GalleryStore
 from recognition.usecases import Recognition
+from service.admission import Admission
 from service.auth import KeyStore
 from service.errors import error_response, install_error_handlers
 from service.images import BodySizeLimit
@@ -105,6 +106,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="facerec-triton", version="1.0.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = Metrics()
+    app.state.admission = Admission(settings.limits.max_in_flight)
+    app.state.metrics.watch_admission(app.state.admission)
     install_error_handlers(app)
     for router in (health.router, collections.router, identities.router, recognition.router, demo.router):
         app.include_router(router)

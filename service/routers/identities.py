@@ -10,6 +10,7 @@ from fastapi import APIRouter, Path, Query, Request, status
 
 from recognition.enrollment import EnrollmentRules, FaceChoice
 from service import schemas
+from service.admission import AdmitDep
 from service.deps import CollectionAccessDep, GalleryDep, ServiceDep, SettingsDep, StoreDep
 from service.errors import ApiError
 from service.images import read_images
@@ -76,7 +77,7 @@ async def delete_identity(collection: str, external_id: str, _: CollectionAccess
                          "fail the quality gate are refused with 422 `low_quality` and their reasons. With "
                          "`create=true` the identity is created when missing.")
 async def enroll(collection: str, external_id: str, request: Request, _: CollectionAccessDep,
-                 service: ServiceDep, settings: SettingsDep,
+                 __: AdmitDep, service: ServiceDep, settings: SettingsDep,
                  create: Annotated[bool, Query(description="create the identity when missing")] = False,
                  name: Annotated[str, Query(max_length=256, description="name when creating")] = "",
                  ) -> schemas.EnrollResponse:
