@@ -32,6 +32,7 @@ from facecore.contract import (
     pipeline_outputs,
 )
 from facecore.pipeline import PipelineSettings
+from facecore.probe import write_probe_image
 from facecore.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
         else:
             shutil.copyfile(SOURCES / "face_pipeline" / "model.py", version_dir / "model.py")
         _write_config(out / name, config)
+    write_probe_image(out)  # the readiness probe's photo (facecore.probe)
     log.info("wrote %s repository version %d to %s", plan.profile, plan.version, out)
     return out
 

@@ -57,7 +57,7 @@ DOCKERFILES = {
 #: Directories of the source tree that no container may bind-mount (code and models live in images).
 SOURCE_DIRS = {"facecore", "export", "service", "gallery", "model_repository", "tests", "bench",
                "artifacts", "data", ".git", ".venv"}
-FIRST_PARTY = {"facecore", "export", "service", "gallery"}
+FIRST_PARTY = {"facecore", "export", "service", "gallery", "recognition"}
 #: Imported only when installed (inside try/except), so an image may lack them.
 OPTIONAL_IMPORTS = {"watchfiles",  # uvicorn: --reload
                     "pygments"}  # mako (alembic's templates): syntax highlighting
@@ -447,7 +447,7 @@ def test_gpu_and_cpu_triton(models: dict[str, Any]) -> None:
     assert cpu["image"] != gpu["image"]
     for triton in (gpu, cpu):
         assert triton["shm_size"], "the Python backend needs more than Docker's 64 MB of /dev/shm"
-        assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
+        assert "facecore.probe" in triton["healthcheck"]["test"]  # more in test_deploy_gpu.py
 
 
 def test_gateway_wiring(models: dict[str, Any]) -> None:
@@ -770,8 +770,8 @@ def test_triton_image_installs_what_face_pipeline_and_the_engine_build_import() 
     args = _pip_arguments(DOCKERFILES["triton"], lambda stage: stage == 1)
     allowed = _closure(_requirement_names(args))
     imported = _imported_distributions(
-        "import facecore.pipeline, facecore.processing, facecore.triton_config, export.__main__, "
-        "export.tensorrt_build")
+        "import facecore.pipeline, facecore.processing, facecore.triton_config, facecore.probe, "
+        "export.__main__, export.tensorrt_build")
     assert imported - allowed == set(), "the Triton image does not install these"
 
 
@@ -1130,7 +1130,7 @@ def test_k8s_schema_check_can_fail(k8s: dict[tuple[str, str], dict[str, Any]],
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
     broken = json.loads(json.dumps(k8s[("Deployment", "triton")]))
-    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = [8000]
+    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["port"] = [8000]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, K8S_VERSIONS[0], strict=True)
 
@@ -1181,9 +1181,9 @@ def test_k8s_triton(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     deployment = k8s[("Deployment", "triton")]
     container, pod = _container(deployment), _pod(deployment)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"].startswith("/v2/health/")
-    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert "facecore.probe" in container["readinessProbe"]["exec"]["command"]  # see test_deploy_gpu.py
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 900, "first start: engine build"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
