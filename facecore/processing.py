@@ -188,6 +188,12 @@ def prior_boxes(height: int, width: int, config: PriorConfig = PriorConfig()) ->
     return priors
 
 
+def softmax(logits: FloatArray, axis: int = -1) -> FloatArray:
+    """Class probabilities from logits (for detectors whose ``conf`` output is not softmaxed yet)."""
+    shifted = np.exp(logits - logits.max(axis=axis, keepdims=True))
+    return np.asarray(shifted / shifted.sum(axis=axis, keepdims=True), dtype=np.float32)
+
+
 def decode_boxes(loc: FloatArray, priors: FloatArray, variances: tuple[float, float]) -> FloatArray:
     """Regression offsets -> corner boxes (x1, y1, x2, y2), normalized to the input size."""
     centers = priors[:, :2] + loc[:, :2] * variances[0] * priors[:, 2:]

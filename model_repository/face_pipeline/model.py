@@ -14,9 +14,10 @@ from typing import Any
 import cv2
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from numpy.typing import NDArray
 
 from facecore.contract import Faces, Input, RequestOptions
-from facecore.pipeline import PipelineSettings, run_pipeline, validate_options
+from facecore.pipeline import NetworkInput, PipelineSettings, run_pipeline, validate_options
 from facecore.processing import (
     DetectOptions,
     FloatArray,
@@ -29,7 +30,7 @@ from facecore.processing import (
 from facecore.triton_config import parameters
 
 
-def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
+def bls(model_name: str, inputs: dict[str, NDArray[Any]], outputs: list[str]) -> list[FloatArray]:
     """One synchronous BLS call; a Triton error becomes an exception.
 
     The outputs are asked for in CPU memory: the next steps (prior decode, NMS, alignment,
@@ -43,12 +44,19 @@ def bls(model_name: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> l
         preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
     )
     response = request.exec()
-    if response.has_error():
-        raise pb_utils.TritonModelException(f"{model_name}: {response.error().message()}")
-    return [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs]
+    error = response.error() if response.has_error() else None
+    if error is not None:
+        raise pb_utils.TritonModelException(f"{model_name}: {error.message()}")
+    arrays = []
+    for name in outputs:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is None:
+            raise pb_utils.TritonModelException(f"{model_name} returned no {name}")
+        arrays.append(np.asarray(tensor.as_numpy(), dtype=np.float32))
+    return arrays
 
 
-def input_array(request: Any, name: str) -> np.ndarray | None:
+def input_array(request: Any, name: str) -> NDArray[Any] | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
 
@@ -101,12 +109,12 @@ class TritonPythonModel:
         self.embedder_io = (embedder.input_name, list(embedder.output_names))
         warm_up_python(self.settings)
 
-    def detect(self, batch: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def detect(self, batch: NetworkInput) -> tuple[FloatArray, FloatArray, FloatArray]:
         name, outputs = self.detector_io
         loc, conf, landms = bls(self.settings.detector_model, {name: batch}, outputs)
         return loc, conf, landms
 
-    def embed(self, batch: FloatArray) -> FloatArray:
+    def embed(self, batch: NetworkInput) -> FloatArray:
         name, outputs = self.embedder_io
         (out,) = bls(self.settings.embedder_model, {name: batch}, outputs)
         return out
