@@ -36,6 +36,7 @@ from facecore.contract import (
     pipeline_outputs,
 )
 from facecore.pipeline import PipelineSettings
+from facecore.probe import write_probe_image
 from facecore.runtimes import Runtime, RuntimeChoice
 from facecore.spec import InputLayout, ModelSpec
 
@@ -241,6 +242,7 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
                     else:
                         target.unlink(missing_ok=True)
             _write_config(out / name, config)
+    write_probe_image(out)  # the readiness probe's photo (facecore.probe)
     for check in checks.values():
         log.info("%s", check.summary())
     log.info("wrote %s repository version %d to %s", plan.profile, plan.version, out)

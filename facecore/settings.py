@@ -29,6 +29,8 @@ DEFAULT_SQLITE = f"sqlite:///{ROOT / 'data' / 'gallery.db'}"
 class TritonSettings(BaseModel):
     url: str = Field("127.0.0.1:8001", description="Triton gRPC address")
     timeout_s: float = Field(30.0, gt=0, description="timeout of one face_pipeline call")
+    probe_interval_s: float = Field(30.0, gt=0, description="how long the gateway's readiness reuses a "
+                                    "successful probe (a real photo through face_pipeline); a failed one 1 s")
 
 
 class DatabaseSettings(BaseModel):

@@ -20,6 +20,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from facecore.client import AsyncPipelineClient
+from facecore.probe import probe_image
 from facecore.settings import GatewaySettings
 from gallery.db import Database, create_db_engine, migrate
 from gallery.gallery import Gallery
@@ -32,6 +33,7 @@ from service.errors import error_response, install_error_handlers
 from service.images import BodySizeLimit
 from service.logs import request_id
 from service.metrics import Metrics
+from service.readiness import RecognitionCheck
 from service.routers import collections, demo, health, identities, recognition
 
 log = logging.getLogger(__name__)
@@ -87,15 +89,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     metrics.watch_gallery(gallery.sizes)
     app.state.faces = Recognition(pipeline, gallery, store, settings.limits.max_faces,
                                   metrics.observe_pipeline)
+    app.state.recognition = RecognitionCheck(pipeline, probe_image(), settings.triton.probe_interval_s)
+    await app.state.recognition.refresh()  # logs whether recognition works at start-up
+    probing = asyncio.create_task(app.state.recognition.run())
     snapshots = asyncio.create_task(_snapshot_periodically(
         gallery, settings.gallery.snapshot_interval_s, settings.gallery.erasure_snapshot_delay_s))
     log.info("gateway ready: triton %s, database %s", settings.triton.url, engine.url.render_as_string())
     try:
         yield
     finally:
-        snapshots.cancel()
-        with suppress(asyncio.CancelledError):
-            await snapshots
+        for task in (snapshots, probing):
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
         gallery.stop_follower()
         await asyncio.to_thread(gallery.snapshot)
         await pipeline.close()

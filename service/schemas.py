@@ -224,4 +224,6 @@ class Liveness(BaseModel):
 
 class Readiness(BaseModel):
     ready: bool
-    checks: dict[str, bool]
+    checks: dict[str, bool] = Field(description="triton (models loaded), recognition (a real photo went "
+                                    "through face_pipeline), database, gallery")
+    details: dict[str, str] = Field(default_factory=dict, description="why a check failed")

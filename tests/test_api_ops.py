@@ -74,7 +74,8 @@ def test_health(api: Api) -> None:
     assert api.ok(api.client.get("/health/live")) == {"status": "ok"}
     assert api.ok(api.client.get("/health/ready")) == {
         "ready": True,
-        "checks": {"triton": True, "database": True, "gallery": True},
+        "checks": {"triton": True, "recognition": True, "database": True, "gallery": True},
+        "details": {},
     }
 
 
@@ -183,10 +184,12 @@ def test_triton_outage_and_recovery(start_api: StartApi, cpu_repository: Path, t
             api.error(response, 503, "triton_unavailable")
         ready = api.client.get("/health/ready")
         assert ready.status_code == 503
-        assert ready.json() == {
+        body = ready.json()
+        assert {k: body[k] for k in ("ready", "checks")} == {
             "ready": False,
-            "checks": {"triton": False, "database": True, "gallery": True},
+            "checks": {"triton": False, "recognition": False, "database": True, "gallery": True},
         }
+        assert "not ready" in body["details"]["recognition"]
         assert api.client.get("/health/live").status_code == 200
         # What needs no inference keeps working.
         assert [f["has_crop"] for f in api.ok(api.get("/v1/collections/c/identities/obama/faces"))] == [True]
@@ -261,6 +264,7 @@ def test_database_outage_and_recovery(
         ready = api.client.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["checks"] == {
             "triton": True,
+            "recognition": True,
             "database": False,
             "gallery": True,
         }

@@ -222,7 +222,7 @@ def test_triton_image_installs_what_face_pipeline_and_the_engine_build_import() 
     args = _pip_arguments(DOCKERFILES["triton"], lambda stage: stage == 1)
     allowed = _closure(_requirement_names(args))
     imported = _imported_distributions(
-        "import facecore.pipeline, facecore.processing, facecore.triton_config, export.__main__, "
-        "export.tensorrt_build")
+        "import facecore.pipeline, facecore.processing, facecore.triton_config, facecore.probe, "
+        "export.__main__, export.tensorrt_build")
     assert imported - allowed == set(), "the Triton image does not install these"
 

@@ -39,9 +39,11 @@ def fake_pb_utils(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
     fake.BLS_HANDLERS.clear()
     fake.BLS_CALLS.clear()
+    fake.BLS_GPU_MODELS.clear()
     yield fake
     fake.BLS_HANDLERS.clear()
     fake.BLS_CALLS.clear()
+    fake.BLS_GPU_MODELS.clear()
 
 
 def _config(repository: Path, model: str) -> str:
@@ -127,6 +129,36 @@ def test_one_detector_and_one_embedder_call_for_the_whole_execute(
         np.testing.assert_allclose(np.linalg.norm(embeddings[0], axis=1), 1.0, rtol=1e-5)
         assert response.output("CROPS").shape == (1, 0, 112, 112, 3)
     assert responses[0].output("IMAGE_SIZE").tolist() == [[1280, 886]]
+
+
+def test_fake_gpu_tensors_behave_like_the_real_ones(fake_pb_utils: ModuleType) -> None:
+    """The fake's GPU placement, checked against python_backend r24.10 (pb_tensor.cc, pb_stub.cc)."""
+    fake_pb_utils.BLS_HANDLERS["gpu_model"] = lambda inputs: {"out": inputs["x"] * 2}
+    fake_pb_utils.BLS_GPU_MODELS.add("gpu_model")
+    x = [fake.Tensor("x", np.ones(3, np.float32))]
+    default = fake.InferenceRequest(model_name="gpu_model", requested_output_names=["out"], inputs=x).exec()
+    (on_gpu,) = default.output_tensors()
+    assert not on_gpu.is_cpu()
+    with pytest.raises(fake.TritonModelException, match="stored in GPU and cannot be converted to NumPy"):
+        on_gpu.as_numpy()
+    cpu = fake.PreferredMemory(fake.TRITONSERVER_MEMORY_CPU, 0)
+    asked = fake.InferenceRequest(model_name="gpu_model", requested_output_names=["out"], inputs=x,
+                                  preferred_memory=cpu).exec()
+    assert asked.output("out").tolist() == [2.0, 2.0, 2.0]
+    capsule = fake.Tensor("x", np.arange(3)).to_dlpack()
+    assert fake.Tensor.from_dlpack("y", capsule).as_numpy().tolist() == [0, 1, 2]
+
+
+def test_outputs_of_gpu_models_reach_numpy(
+    pipeline_model: object, fake_pb_utils: ModuleType, photo_bytes: dict[str, bytes]
+) -> None:
+    """TensorRT models leave their outputs in GPU memory unless the BLS request prefers CPU memory."""
+    fake_pb_utils.BLS_GPU_MODELS.update({"face_detector", "face_embedder"})
+    responses = pipeline_model.execute(  # type: ignore[attr-defined]
+        [request(photo_bytes["t1.jpg"]), request(photo_bytes["obama.jpg"])])
+    errors = [None if r.error() is None else r.error().message() for r in responses]
+    assert errors == [None, None]
+    assert [r.output("EMBEDDINGS").shape for r in responses] == [(1, 6, 128), (1, 1, 128)]
 
 
 def test_no_face_makes_no_embedder_call(pipeline_model: object, photo_bytes: dict[str, bytes]) -> None:

@@ -41,11 +41,17 @@ from facecore.triton_config import parameters
 
 
 def bls(model_name: str, inputs: dict[str, NDArray[Any]], outputs: list[str]) -> list[FloatArray]:
-    """One synchronous BLS call; a Triton error becomes an exception."""
+    """One synchronous BLS call; a Triton error becomes an exception.
+
+    The outputs are asked for in CPU memory: the next steps (prior decode, NMS, alignment,
+    L2 normalization) are numpy. Without ``preferred_memory`` they stay where the producing model
+    put them, which for a TensorRT model is the GPU, and ``as_numpy()`` then raises.
+    """
     request = pb_utils.InferenceRequest(
         model_name=model_name,
         requested_output_names=outputs,
         inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+        preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
     )
     response = request.exec()
     error = response.error() if response.has_error() else None
