@@ -27,6 +27,7 @@ from gallery.index import IndexConfig
 from gallery.store import GalleryStore
 from recognition.usecases import Recognition
 from service.auth import KeyStore
+from service.drain import DrainBody
 from service.errors import error_response, install_error_handlers
 from service.images import BodySizeLimit
 from service.logs import request_id
@@ -111,6 +112,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     # The last added is the outermost: Observe sees every response, the body-size 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)
+    app.add_middleware(DrainBody, max_bytes=settings.limits.max_upload_bytes)  # every client reads the 4xx
     app.add_middleware(Observe, timeout_s=settings.limits.request_timeout_s, metrics=app.state.metrics)
     return app
 
