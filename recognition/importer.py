@@ -123,10 +123,10 @@ def classify(item: ImportItem, data: bytes, faces: Faces, options: ImportOptions
     """Accept exactly one face that passes the quality gate (the REST route's rules), or say why not."""
     digest = image_sha256(data)
     try:
-        face = enrollable_face(faces, data, options.rules)
+        chosen = enrollable_face(faces, data, options.rules)
     except Refused as refused:
         return ItemResult(item, _STATUS[refused.code], _detail(refused), digest, len(faces))
-    return ItemResult(item, Status.READY, "", digest, len(faces), face=face)
+    return ItemResult(item, Status.READY, "", digest, len(faces), face=chosen.face)
 
 
 class Importer:

@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,9 +20,10 @@ import numpy as np
 from facecore.client import AsyncPipeline
 from facecore.contract import Faces
 from facecore.spec import ModelSpec
+from gallery.faces import FaceRecords, StoredFace
 from gallery.gallery import Gallery, SearchResult
 from gallery.store import CollectionInfo, FaceInfo, GalleryStore, IdentityInfo, check_model
-from recognition.enrollment import EnrollmentRules, enrollable_face, largest
+from recognition.enrollment import EnrollmentRules, IgnoredFace, enrollable_face, largest
 from recognition.errors import Refused
 
 #: Width of the logistic that turns a cosine score into a confidence: 0.5 at the threshold,
@@ -45,6 +46,7 @@ class Identified:
 class Enrolled:
     identity: IdentityInfo
     faces: list[FaceInfo]
+    ignored: list[IgnoredFace] = field(default_factory=list)  # detected faces not enrolled, and why
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,14 @@ class Verified:
         return self.score >= self.threshold
 
 
+@dataclass(frozen=True)
+class FaceSearch:
+    """Search by a stored face: the face, and the identities closest to it (the face itself left out)."""
+
+    face: StoredFace
+    result: SearchResult
+
+
 #: Called after every face_pipeline call with its latency in seconds and the faces it found.
 Observer = Callable[[float, int], None]
 
@@ -67,6 +77,7 @@ class Recognition:
     def __init__(self, pipeline: AsyncPipeline, gallery: Gallery, store: GalleryStore, max_faces: int,
                  observe: Observer | None = None) -> None:
         self.pipeline, self.gallery, self.store = pipeline, gallery, store
+        self.faces = FaceRecords(store.db)
         self.max_faces = max_faces
         self._observe = observe
         self._embedder: ModelSpec | None = None
@@ -109,14 +120,14 @@ class Recognition:
         """All images or none: every image must give one face that passes the quality gate."""
         info = await self.collection(collection)
         analyzed = await asyncio.gather(*(self.analyze(data, crops=True) for data in images))
-        new_faces = [enrollable_face(faces, data, rules, index)
-                     for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
+        chosen = [enrollable_face(faces, data, rules, index)
+                  for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
 
         def store() -> Enrolled:
-            identity, stored = self.store.add_faces(collection, external_id, new_faces, info.embedding_model,
-                                                    create)
+            identity, stored = self.store.add_faces(collection, external_id, [c.face for c in chosen],
+                                                    info.embedding_model, create)
             self.gallery.sync()
-            return Enrolled(identity, stored)
+            return Enrolled(identity, stored, [face for c in chosen for face in c.ignored])
 
         return await asyncio.to_thread(store)
 
@@ -143,3 +154,29 @@ class Recognition:
         score = float(np.max(enrolled @ faces.embeddings[index]))
         limit = info.match_threshold if threshold is None else threshold
         return Verified(score, limit, (faces, index))
+
+    async def search_face(self, collection: str, face_id: int, k: int, threshold: float | None,
+                          exclude_identity: bool = False) -> FaceSearch:
+        """Top-k identities for an enrolled face, leaving out the face itself (with ``exclude_identity``
+        every face of its identity), with the usual threshold decision."""
+        info = await self.collection(collection)
+
+        def search() -> FaceSearch:
+            stored = self.faces.get(collection, face_id)
+            exclude = ({f.id for f in self.store.list_faces(collection, stored.external_id)}
+                       if exclude_identity else {face_id})
+            (result,) = self.gallery.search(collection, stored.vector[None], k,
+                                            info.match_threshold if threshold is None else threshold,
+                                            exclude=exclude)
+            return FaceSearch(stored, result)
+
+        return await asyncio.to_thread(search)
+
+    async def verify_face(self, collection: str, face_id: int, data: bytes, threshold: float | None
+                          ) -> Verified:
+        """1:1 of the (largest) face of an image against one enrolled face."""
+        info = await self.collection(collection)
+        faces, index = await self._one_face(data, "image")
+        stored = await asyncio.to_thread(self.faces.get, collection, face_id)
+        score = float(stored.vector @ faces.embeddings[index])
+        return Verified(score, info.match_threshold if threshold is None else threshold, (faces, index))
