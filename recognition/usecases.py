@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from facecore.client import AsyncPipeline
 from facecore.contract import Faces
@@ -69,6 +70,16 @@ class FaceSearch:
     result: SearchResult
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """Every face of an image scored (cosine) against one reference face."""
+
+    faces: Faces
+    scores: NDArray[np.float32]  # [N], one per face of ``faces``
+    threshold: float
+    reference: tuple[Faces, int] | None = None  # the reference face, when it came from an image
+
+
 #: Called after every face_pipeline call with its latency in seconds and the faces it found.
 Observer = Callable[[float, int], None]
 
@@ -97,19 +108,21 @@ class Recognition:
         check_model(info, spec.name)
         return info
 
-    async def analyze(self, data: bytes, crops: bool = False) -> Faces:
+    async def analyze(self, data: bytes, crops: bool = False, score_threshold: float | None = None) -> Faces:
         started = time.perf_counter()
-        faces = await self.pipeline.infer(data, max_faces=self.max_faces, return_crops=crops)
+        faces = await self.pipeline.infer(data, max_faces=self.max_faces, return_crops=crops,
+                                          score_threshold=score_threshold)
         if self._observe is not None:
             self._observe(time.perf_counter() - started, len(faces))
         return faces
 
-    async def detect(self, data: bytes) -> Faces:
-        return await self.analyze(data)
+    async def detect(self, data: bytes, score_threshold: float | None = None) -> Faces:
+        return await self.analyze(data, score_threshold=score_threshold)
 
-    async def identify(self, collection: str, data: bytes, k: int, threshold: float | None) -> Identified:
+    async def identify(self, collection: str, data: bytes, k: int, threshold: float | None,
+                       score_threshold: float | None = None) -> Identified:
         info = await self.collection(collection)
-        faces = await self.analyze(data)
+        faces = await self.analyze(data, score_threshold=score_threshold)
         limit = info.match_threshold if threshold is None else threshold
         results = await asyncio.to_thread(self.gallery.search, collection, faces.embeddings, k,
                                           limit) if len(faces) else []
@@ -172,11 +185,21 @@ class Recognition:
 
         return await asyncio.to_thread(search)
 
-    async def verify_face(self, collection: str, face_id: int, data: bytes, threshold: float | None
-                          ) -> Verified:
-        """1:1 of the (largest) face of an image against one enrolled face."""
+    async def compare_images(self, reference: bytes, data: bytes, threshold: float | None = None,
+                             score_threshold: float | None = None) -> Comparison:
+        """Every face of ``data`` against the (largest) face of ``reference``: 1:1 for each face."""
+        spec = await self.embedder()
+        (ref, index), faces = await asyncio.gather(self._one_face(reference, "reference image"),
+                                                   self.analyze(data, score_threshold=score_threshold))
+        limit = spec.match_threshold if threshold is None else threshold
+        return Comparison(faces, faces.embeddings @ ref.embeddings[index], limit, (ref, index))
+
+    async def compare_with_face(self, collection: str, face_id: int, data: bytes,
+                                threshold: float | None = None, score_threshold: float | None = None
+                                ) -> Comparison:
+        """Every face of ``data`` against one enrolled face of the collection."""
         info = await self.collection(collection)
-        faces, index = await self._one_face(data, "image")
-        stored = await asyncio.to_thread(self.faces.get, collection, face_id)
-        score = float(stored.vector @ faces.embeddings[index])
-        return Verified(score, info.match_threshold if threshold is None else threshold, (faces, index))
+        stored = await asyncio.to_thread(self.faces.get, collection, face_id)  # NotFound first
+        faces = await self.analyze(data, score_threshold=score_threshold)
+        limit = info.match_threshold if threshold is None else threshold
+        return Comparison(faces, faces.embeddings @ stored.vector, limit)

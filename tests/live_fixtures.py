@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
-from itertools import count
 from dataclasses import dataclass
+from itertools import count
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
