@@ -32,7 +32,7 @@ from service.errors import error_response, install_error_handlers
 from service.images import BodySizeLimit
 from service.logs import request_id
 from service.metrics import Metrics
-from service.routers import collections, compreface, demo, health, identities, recognition
+from service.routers import collections, compreface, deepstack, demo, health, identities, recognition
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     for router in (health.router, collections.router, identities.router, recognition.router, demo.router):
         app.include_router(router)
     app.include_router(compreface.router)  # CompreFace-compatible API (docs/compat.md)
+    app.include_router(deepstack.router)  # DeepStack-compatible face API (docs/compat.md)
 
     # The last added is the outermost: Observe sees every response, the body-size 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)

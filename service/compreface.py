@@ -9,13 +9,11 @@ matches from non-matches). See docs/compat.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import Request, Response, Security
+from fastapi import Response, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
@@ -27,6 +25,7 @@ from gallery.errors import Conflict, GalleryError, NotFound
 from recognition.errors import Refused
 from recognition.usecases import confidence
 from service.auth import Principal
+from service.compat import rendering_route
 from service.deps import KeysDep
 from service.errors import RETRY_AFTER_S, ApiError, pipeline_error
 
@@ -85,22 +84,12 @@ def compreface_response(status: int, code: int, message: str) -> Response:
     return JSONResponse({"message": message, "code": code}, status_code=status, headers=headers)
 
 
-class CompreFaceRoute(APIRoute):
-    """Routes whose errors (from the route, its dependencies, or the use cases) have CompreFace's body."""
+def render(exc: Exception) -> Response | None:
+    found = compreface_error(exc)
+    return None if found is None else compreface_response(*found)
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
 
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as exc:
-                found = compreface_error(exc)
-                if found is None:
-                    raise
-                return compreface_response(*found)
-
-        return handle
+CompreFaceRoute = rendering_route(render)
 
 
 _key = APIKeyHeader(name="x-api-key", auto_error=False,
