@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 from recognition.enrollment import FaceChoice
 
@@ -151,11 +151,16 @@ class FaceOut(BaseModel):
     created_at: datetime
 
 
+#: Unset (None) differs from "only" (a conflict with the query parameter is detected); documented as the enum.
+OptionalFaceChoice = Annotated[FaceChoice | None, WithJsonSchema(
+    {"type": "string", "enum": [c.value for c in FaceChoice], "default": FaceChoice.ONLY.value})]
+
+
 class EnrollJson(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 422, not silently dropped
 
     images: list[Base64Image] = Field(min_length=1)
-    face: FaceChoice | None = Field(None, description="only (default) or largest; also a query parameter")
+    face: OptionalFaceChoice = Field(None, description="only (default) or largest; also a query parameter")
     box: list[float] | None = Field(None, min_length=4, max_length=4,
                                     description="x1,y1,x2,y2: the face to take; also a query parameter")
 
