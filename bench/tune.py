@@ -26,7 +26,8 @@ from bench.common import free_port
 from bench.load import closed_loop
 from export.defaults import prepare_default_models
 from export.fetch import fetch_photos
-from export.repository import TUNING_DIR, Profile, ProfileTuning, RepositoryPlan, write_repository
+from export.profiles import TUNING_DIR, Profile, ProfileTuning
+from export.repository import RepositoryPlan, write_repository
 from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
 
