@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import Api
+    from tests.api_fixtures import Api, StartApi
 
 pytest_plugins = ["tests.api_fixtures"]
 
@@ -79,7 +79,10 @@ def test_a_tiny_face_alone_is_refused_by_the_quality_gate(api: Api) -> None:
     assert "face_too_small" in details["reasons"]
 
 
-def test_face_and_box_work_as_query_parameters(api: Api) -> None:
+def test_face_and_box_work_as_query_parameters(start_api: StartApi) -> None:
+    # t1.jpg's largest face is turned (yaw ~ -60 with the current detector): a lenient pose gate here, the
+    # face choice is what this test is about.
+    api = start_api(quality={"max_yaw": 90.0, "max_pitch": 90.0})
     api.create_collection("g")
     boxes = [f["box"] for f in faces_of(api, api.photos["t1.jpg"])]
     assert len(boxes) == 6 and all(side(b) >= MIN_SIZE for b in boxes)
