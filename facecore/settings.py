@@ -93,6 +93,12 @@ class QualitySettings(BaseModel):
         return QualityThresholds(**self.model_dump())
 
 
+class DeepStackSettings(BaseModel):
+    """The DeepStack-compatible face API (``/v1/vision/face/...``) serves one collection."""
+
+    collection: str = Field("", description="collection the DeepStack API serves (empty: the API is off)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FACEREC_", env_nested_delimiter="__", extra="ignore")
 
@@ -101,6 +107,7 @@ class Settings(BaseSettings):
     gallery: GallerySettings = GallerySettings()
     limits: LimitSettings = LimitSettings()
     quality: QualitySettings = QualitySettings()
+    deepstack: DeepStackSettings = DeepStackSettings()
     log_json: bool = Field(False, description="one JSON object per log line (the container images set true)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     # The parts of a PostgreSQL URL (used when FACEREC_DATABASE__URL is not set).
