@@ -44,9 +44,8 @@ import numpy as np
 
 import facecore.pipeline as pipeline_module
 from bench import plain as plain_part
-from bench.common import ARTIFACTS, PHOTOS, ServedModels, photo_label, served_models
-from bench.gallery import markdown_table
-from export.fetch import fetch_photos
+from bench.core.inputs import PHOTOS, ServedModels, load_photos, photo_label, served_models
+from bench.core.reporting import markdown_table
 from facecore.contract import Faces
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.pipeline import PipelineSettings, detector_input_size, run_pipeline
@@ -527,10 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     models = served_models(args.repository) if args.repository else served_models()
-    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
     options = CeilingOptions(seconds=args.seconds, repeats=args.repeats, split_repeats=args.split_repeats,
                              fixed=not args.no_fixed)
-    photos = {name: paths[name].read_bytes() for name in args.photos}
+    photos = load_photos(args.photos)
     plain = None if args.no_plain else plain_part.prepare(models, photos).models
     results = run(models, photos, options, plain)
     print(document(results))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import ARTIFACTS, ServedModels
+from bench.core.inputs import ARTIFACTS, ServedModels
 from export.sface import (
     PLAIN_FILE,
     SHIPPED_FILE,

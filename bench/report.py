@@ -7,7 +7,6 @@ machine. Targets are reported (measured value, pass / falls short, and why), nev
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,8 +17,8 @@ from bench import naive as naive_part
 from bench import perf_analyzer as pa_part
 from bench import stack as stack_part
 from bench.ceiling import PhotoCeiling
-from bench.common import LoadRow
-from bench.gallery import markdown_table, write_section
+from bench.core.load import LoadRow
+from bench.core.reporting import markdown_table, read_section, usable_cores, write_section
 from bench.perf_analyzer import PaResult
 from bench.stack import GRPC, REST, MemoryRun
 
@@ -27,7 +26,6 @@ ONE_FACE, SIX_FACES = "obama.jpg", "t1.jpg"
 TARGET_CONCURRENCY = 8
 SECTION = "bench"
 PLOTS = {"throughput": "throughput.png", "latency": "latency.png", "memory": "memory.png"}
-TITLE = "# Benchmarks\n\n"
 
 
 @dataclass
@@ -193,12 +191,8 @@ def _cpu_line(row: LoadRow) -> str:
     return f"{row.cpu_ms_total:.0f} ms CPU per image ({', '.join(parts)})"
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _throughput_why(row: LoadRow, reference: float, reference_cpu: float, reference_name: str) -> str:
-    cores = _cores()
+    cores = usable_cores()
     bound = cores * 1000 / max(row.cpu_ms_total, 1e-9)
     why = (f"{row.target} cost {_cpu_line(row)}; {reference_name} cost {reference_cpu:.0f} ms CPU per image "
            f"({reference:.1f} images/s). With {cores} cores busy, throughput is about {cores} x 1000 / "
@@ -626,8 +620,6 @@ def write(results: Results, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     written = plots(results, out)
     readme = out / "README.md"
-    if not readme.exists():
-        readme.write_text(TITLE)
     write_section(readme, SECTION, document(results, written))
     (out / "results.json").write_text(json.dumps(results.to_json(), indent=2, default=str))
     return readme
@@ -635,6 +627,5 @@ def write(results: Results, out: Path) -> Path:
 
 def section(text: str, name: str = SECTION) -> str:
     """The text between this report's markers (for tests and tools)."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    return text.split(start, 1)[1].split(end, 1)[0] if start in text else ""
+    return read_section(text, name)
 

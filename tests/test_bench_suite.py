@@ -19,7 +19,9 @@ import pytest
 import facecore.pipeline as pipeline_module
 from bench import __main__ as bench_main
 from bench import ceiling, naive, perf_analyzer, plain, report
-from bench.common import LoadRow, served_models, statistics_delta
+from bench.core.inputs import served_models
+from bench.core.load import LoadRow
+from bench.core.triton import statistics_delta
 from bench.stack import MemoryRun
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.processing import letterbox
