@@ -35,12 +35,15 @@ photos: setup
 run: models
 	$(PY) -m service --port $(PORT) --triton-ports $(TRITON_PORTS)
 
-test: $(VENV)/.test models photos
+test: lint models photos
 	$(PY) -m pytest
 
+# Lint and types (part of `make test`): ruff over the tree, mypy --strict over the code; each model.py
+# alone (they share the module name `model`), typed against tests/fakes/triton_python_backend_utils.py.
 lint: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m mypy facecore export service gallery
+	$(PY) -m mypy facecore export service gallery recognition bench
+	for model in model_repository/*/model.py; do $(PY) -m mypy "$$model" || exit 1; done
 
 clean:
 	rm -rf $(VENV) artifacts model_repository/cpu model_repository/gpu

@@ -39,6 +39,7 @@ from bench.core.inputs import ARTIFACTS, PHOTOS, REPOSITORY, load_photos
 from bench.core.reporting import markdown_table
 from bench.core.triton import triton_url
 from export.fetch import Archive, download
+from facecore.contract import Input
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,8 @@ def serialized_bytes(data: bytes) -> bytes:
 
 def write_input_data(path: Path, images: Sequence[bytes]) -> Path:
     """perf_analyzer's real-data JSON: one entry per image, ``IMAGE`` as base64 content with shape [1]."""
-    entries = [{"IMAGE": {"content": {"b64": base64.b64encode(serialized_bytes(data)).decode("ascii")},
-                          "shape": [1]}} for data in images]
+    encoded = [base64.b64encode(serialized_bytes(data)).decode("ascii") for data in images]
+    entries = [{Input.IMAGE.value: {"content": {"b64": b64}, "shape": [1]}} for b64 in encoded]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"data": entries}))
     return path

@@ -26,7 +26,8 @@ from bench.core.inputs import ARTIFACTS, REPOSITORY, load_photos
 from bench.core.load import closed_loop
 from bench.core.triton import bundled_triton
 from export.defaults import prepare_default_models
-from export.repository import TUNING_DIR, Profile, ProfileTuning, RepositoryPlan, write_repository
+from export.profiles import TUNING_DIR, Profile, ProfileTuning
+from export.repository import RepositoryPlan, write_repository
 from facecore.client import PipelineClient
 
 log = logging.getLogger("bench.tune")

@@ -111,12 +111,11 @@ class FaceIndex:
         self.kind = IndexKind.FLAT
         self.nprobe = 0
         self.recall: float | None = None
-        self._cpu: Any = _flat(dimension)
         self._ids: set[int] = set()
         self._tombstones: set[int] = set()
         self.on_gpu = self.config.use_gpu and gpu_available()
         self._tombstoning = force_tombstones or self.on_gpu
-        self._index: Any = self._to_device(self._cpu)
+        self._index: Any = self._to_device(_flat(dimension))
 
     def _to_device(self, index: Any) -> Any:
         if not self.on_gpu:
@@ -218,7 +217,7 @@ class FaceIndex:
                  "(%.0f%% of lists scanned)", nlist, len(ids), recall, bound, nprobe, 100 * nprobe / nlist)
         self.recall = recall
         if bound >= self.config.target_recall:
-            self._cpu, self.kind, self.nprobe = ivf, IndexKind.IVF, nprobe
+            self.kind, self.nprobe = IndexKind.IVF, nprobe
             self._index = self._to_device(ivf)
             self._ids = set(np.asarray(ids).tolist())
         else:
@@ -274,7 +273,6 @@ class FaceIndex:
         index._ids = set(stored.tolist()) - index._tombstones
         if len(index._ids) != int(meta["ids"]):
             raise ValueError(f"snapshot {path} holds {len(index._ids)} ids, its metadata says {meta['ids']}")
-        index._cpu = cpu
         index._index = index._to_device(cpu)
         return index, meta
 

@@ -10,7 +10,8 @@ import pytest
 
 from export.defaults import DefaultModels, prepare_default_models
 from export.fetch import fetch_photos
-from export.repository import Profile, RepositoryPlan, write_repository
+from export.profiles import Profile
+from export.repository import RepositoryPlan, write_repository
 from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
 

@@ -69,8 +69,9 @@ def detector_mode(request: pytest.FixtureRequest) -> str:
 def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels,
                    detector_mode: str) -> object:
     """face_pipeline's TritonPythonModel wired to the real ONNX models through the fake BLS."""
-    detector = create_session(default_models.detector_file)
-    embedder = create_session(default_models.embedder_file)
+    # the networks as served: the repository's files (the detector takes uint8 NHWC there)
+    detector = create_session(cpu_repository / "face_detector" / "1" / "model.onnx")
+    embedder = create_session(cpu_repository / "face_embedder" / "1" / "model.onnx")
     det_spec, emb_spec = default_models.detector, default_models.embedder
 
     def run_detector(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -110,11 +111,12 @@ def test_one_detector_and_one_embedder_call_for_the_whole_execute(
     assert counts == [6, 1, 0, 1, 1]
     shapes = [call["input"].shape for call in calls_to("face_detector")]
     if detector_mode == "fixed":
-        assert shapes == [(5, 3, 640, 640)]  # one call for the whole execute
+        assert shapes == [(5, 640, 640, 3)]  # one call for the whole execute, uint8 NHWC
     else:  # one call per input size: each image's aspect ratio, multiples of 32, longer side 640;
         # t1.jpg (1280x886) and coffee.png (600x400) both become 640x448 and share a call
-        assert sorted(shapes) == sorted([(2, 3, 448, 640), (1, 3, 640, 512), (1, 3, 640, 288),
-                                         (1, 3, 640, 352)])
+        assert sorted(shapes) == sorted([(2, 448, 640, 3), (1, 640, 512, 3), (1, 640, 288, 3),
+                                         (1, 640, 352, 3)])
+    assert all(call["input"].dtype == np.uint8 for call in calls_to("face_detector"))
     (embedder_call,) = calls_to("face_embedder")
     assert embedder_call["data"].shape == (9, 3, 112, 112)
     for response, count in zip(responses, counts, strict=True):
@@ -179,7 +181,7 @@ def test_onnx_model_merges_requests_of_the_same_shape(
     batches = [rng.uniform(0, 255, (n, 3, 112, 112)).astype(np.float32) for n in (2, 1, 3)]
     requests = [fake.InferenceRequest(inputs=[fake.Tensor("data", b)]) for b in batches]
     responses = model.execute(requests)
-    alone = [model.session.run(["fc1"], {"data": b})[0] for b in batches]
+    alone = [model.run(b)[0] for b in batches]
     for response, expected in zip(responses, alone, strict=True):
         np.testing.assert_allclose(response.output("fc1"), expected, atol=1e-4)
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
+from numpy.typing import NDArray
 
-BLS_HANDLERS: dict[str, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] = {}
-BLS_CALLS: list[tuple[str, dict[str, np.ndarray]]] = []
+Array = NDArray[Any]
+BLS_HANDLERS: dict[str, Callable[[dict[str, Array]], dict[str, Array]]] = {}
+BLS_CALLS: list[tuple[str, dict[str, Array]]] = []
 
 
 class TritonModelException(Exception):
@@ -35,12 +37,12 @@ class TritonError:
 @dataclass(frozen=True)
 class Tensor:
     _name: str
-    _array: np.ndarray
+    _array: Array
 
     def name(self) -> str:
         return self._name
 
-    def as_numpy(self) -> np.ndarray:
+    def as_numpy(self) -> Array:
         return self._array
 
 
@@ -55,7 +57,7 @@ class InferenceResponse:
     def error(self) -> TritonError | None:
         return self._error
 
-    def output(self, name: str) -> np.ndarray:
+    def output(self, name: str) -> Array:
         """Test helper: the named output array."""
         tensor = get_output_tensor_by_name(self, name)
         if tensor is None:
