@@ -18,7 +18,8 @@ import onnx
 from export.defaults import SFACE_TOLERANCE
 from export.onnx_tools import fold_weight_dequantization, make_batch_dynamic, save_checked
 from facecore.onnx_runtime import create_session
-from facecore.processing import ImageArray, to_tensor
+from facecore.pipeline import network_input
+from facecore.processing import ImageArray
 from facecore.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def convert_plain_sface(source: Path, target: Path) -> bool:
 def embedding_difference(first: Path, second: Path, crops: ImageArray, spec: ModelSpec) -> float:
     """Largest |difference| of the raw embeddings two embedder files give for the same batch of
     aligned crops ([N, H, W, 3] BGR, preprocessed as ``spec`` says)."""
-    batch = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
+    batch = network_input(crops, spec)
     outputs = [create_session(path, 1).run([spec.output_names[0]], {spec.input_name: batch})[0]
                for path in (first, second)]
     return float(np.abs(outputs[0] - outputs[1]).max())
