@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from export.repository import Profile
+from export.profiles import Profile
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from export import fetch
 from export.onnx_tools import convert_sface
-from export.repository import Profile, RepositoryPlan, write_repository
+from export.profiles import Profile
+from export.repository import RepositoryPlan, write_repository
 from facecore.files import sha256_of
 from facecore.onnx_runtime import OnnxDetector, create_session
 from facecore.pipeline import PipelineSettings, detect

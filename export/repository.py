@@ -16,13 +16,17 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
-from enum import StrEnum
 from pathlib import Path
 
+import onnx
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from export.onnx_tools import save_checked, uint8_nhwc_input
+from export.precision import PrecisionCheck, choose_precisions
+from export.profiles import Batching, Profile, ProfileTuning
 from facecore.contract import (
     DETECTOR_MODEL,
     EMBEDDER_MODEL,
@@ -32,81 +36,16 @@ from facecore.contract import (
     pipeline_outputs,
 )
 from facecore.pipeline import PipelineSettings
-from facecore.spec import ModelSpec
+from facecore.probe import write_probe_image
+from facecore.runtimes import Runtime, RuntimeChoice
+from facecore.spec import InputLayout, ModelSpec
 
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent.parent / "model_repository"
-
-
-class Profile(StrEnum):
-    CPU = "cpu"
-    GPU = "gpu"
-
-
-@dataclass(frozen=True)
-class Batching:
-    """Dynamic-batching and instance choices of one model."""
-
-    max_batch_size: int
-    preferred: tuple[int, ...]
-    queue_delay_us: int
-    instances: int = 1
-
-
-TUNING_DIR = Path(__file__).resolve().parent / "tuning"
-
-
-@dataclass(frozen=True)
-class ProfileTuning:
-    """Serving choices of one profile. ``bench.tune`` measures candidates and records the best in
-    ``export/tuning/<profile>.json``, which then is the default."""
-
-    detector: Batching
-    embedder: Batching
-    pipeline: Batching
-    detector_threads: int = 2  # ONNX Runtime intra-op threads (CPU profile)
-    embedder_threads: int = 2
-    #: ONNX Runtime worker threads busy-wait for work (fast hand-over, but burns shared cores).
-    spinning: bool = True
-    #: face_pipeline parameters (PipelineSettings fields as strings), e.g. {"decode_min_side": "1280"}.
-    pipeline_options: dict[str, str] = field(default_factory=dict)
-
-    @staticmethod
-    def builtin(profile: Profile) -> ProfileTuning:
-        """Starting points before any measurement; ``export/tuning/<profile>.json``, when present, wins."""
-        if profile is Profile.CPU:
-            return ProfileTuning(
-                detector=Batching(8, (4, 8), 1000),
-                embedder=Batching(64, (16, 32, 64), 1000),
-                pipeline=Batching(8, (4, 8), 2000),
-            )
-        # GPU: larger batches amortize kernel launches; two BLS instances keep the GPU fed.
-        return ProfileTuning(
-            detector=Batching(16, (8, 16), 500),
-            embedder=Batching(128, (32, 64, 128), 500),
-            pipeline=Batching(16, (8, 16), 1000, instances=2),
-        )
-
-    @staticmethod
-    def default(profile: Profile) -> ProfileTuning:
-        """The recorded tuning of this profile when there is one, else the built-in choice."""
-        recorded = TUNING_DIR / f"{profile.value}.json"
-        if recorded.exists():
-            return ProfileTuning.from_json(recorded.read_text())
-        return ProfileTuning.builtin(profile)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
-
-    @staticmethod
-    def from_json(text: str) -> ProfileTuning:
-        data = json.loads(text)
-        data.pop("note", None)
-        batching = {k: Batching(v["max_batch_size"], tuple(v["preferred"]), v["queue_delay_us"],
-                                v["instances"])
-                    for k, v in data.items() if k in ("detector", "embedder", "pipeline")}
-        return ProfileTuning(**{**data, **batching})
+#: face_pipeline's queue is bounded: beyond it Triton refuses at once and gateways answer 503 overloaded
+#: (each gateway also sheds beyond FACEREC_LIMITS__MAX_IN_FLIGHT).
+PIPELINE_MAX_QUEUE = 64
 
 
 @dataclass(frozen=True)
@@ -137,7 +76,16 @@ def _set_parameters(config: mc.ModelConfig, values: dict[str, str]) -> None:
         config.parameters[key].string_value = value
 
 
-def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: Batching) -> mc.ModelConfig:
+def _input_tensor(spec: ModelSpec, fixed: bool) -> tuple[int, list[int], list[int]]:
+    """(data type, config dims, warm-up dims) of a network's input, by its layout."""
+    width, height = spec.input_size
+    if spec.input_layout is InputLayout.NHWC_UINT8:
+        return mc.TYPE_UINT8, ([height, width, 3] if fixed else [-1, -1, 3]), [height, width, 3]
+    return mc.TYPE_FP32, ([3, height, width] if fixed else [3, -1, -1]), [3, height, width]
+
+
+def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: Batching,
+                    runtime: dict[str, str]) -> mc.ModelConfig:
     gpu = plan.profile is Profile.GPU
     kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
     config = _base_config(name, batching, kind)
@@ -145,27 +93,20 @@ def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: 
         config.platform = "tensorrt_plan"
     else:
         config.backend = "python"
-    width, height = spec.input_size
-    fixed = gpu or spec.role == "embedder"
-    input_dims = [3, height, width] if fixed else [3, -1, -1]
-    config.input.add(name=spec.input_name, data_type=mc.TYPE_FP32, dims=input_dims)
+    data_type, input_dims, warmup_dims = _input_tensor(spec, gpu or spec.role == "embedder")
+    config.input.add(name=spec.input_name, data_type=data_type, dims=input_dims)
     if spec.role == "detector":
         for output, last in zip(spec.output_names, (4, 2, 10), strict=True):
             config.output.add(name=output, data_type=mc.TYPE_FP32, dims=[-1, last])
     else:
         config.output.add(name=spec.output_names[0], data_type=mc.TYPE_FP32, dims=[spec.embedding_dim])
     warmup = config.model_warmup.add(name=f"{name}_warmup", batch_size=1)
-    warmup.inputs[spec.input_name].data_type = mc.TYPE_FP32
-    warmup.inputs[spec.input_name].dims.extend([3, height, width])
+    warmup.inputs[spec.input_name].data_type = data_type
+    warmup.inputs[spec.input_name].dims.extend(warmup_dims)
     warmup.inputs[spec.input_name].random_data = True
     params = {"architecture": spec.architecture, "model_name": spec.name, "license": spec.license,
               "source": spec.source, "spec": json.dumps(asdict(spec))}
-    if not gpu:
-        tuning = plan.effective_tuning
-        threads = tuning.detector_threads if spec.role == "detector" else tuning.embedder_threads
-        params |= {"onnx_file": "model.onnx", "intra_op_threads": str(threads),
-                   "intra_op_spinning": str(tuning.spinning).lower()}
-    _set_parameters(config, params)
+    _set_parameters(config, params if gpu else params | runtime)
     return config
 
 
@@ -176,6 +117,8 @@ def _config_type(tensor: TensorSpec) -> int:
 def _pipeline_config(plan: RepositoryPlan, settings: PipelineSettings) -> mc.ModelConfig:
     config = _base_config(PIPELINE_MODEL, plan.effective_tuning.pipeline, mc.ModelInstanceGroup.KIND_CPU)
     config.backend = "python"
+    config.dynamic_batching.default_queue_policy.max_queue_size = PIPELINE_MAX_QUEUE
+    config.dynamic_batching.default_queue_policy.timeout_action = mc.ModelQueuePolicy.REJECT
     for tensor in pipeline_inputs():
         config.input.add(name=tensor.name, data_type=_config_type(tensor), dims=tensor.dims,
                          optional=tensor.optional)
@@ -209,36 +152,99 @@ def _check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
         )
 
 
-def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embedder_file: Path) -> Path:
-    """Write (or add version ``plan.version`` to) the repository at ``out``; returns ``out``."""
+def _runtime_parameters(plan: RepositoryPlan, role: str, precision: PrecisionCheck | None) -> dict[str, str]:
+    """The CPU runtime of one network as config parameters (what onnx_model/model.py reads)."""
     tuning = plan.effective_tuning
-    base = PipelineSettings(
-        detector=replace(plan.detector, onnx=""), embedder=replace(plan.embedder, onnx=""),
-        detector_max_batch=tuning.detector.max_batch_size, embedder_max_batch=tuning.embedder.max_batch_size,
-        # TensorRT engines are built for one detector size; ONNX Runtime takes any size.
-        dynamic_input=plan.profile is Profile.CPU,
-    )
-    options = {**tuning.pipeline_options, **{k: str(v) for k, v in plan.pipeline_overrides.items()}}
-    settings = PipelineSettings.from_parameters({**base.to_parameters(), **options})
-    models = {
-        DETECTOR_MODEL: (_network_config(DETECTOR_MODEL, settings.detector, plan, tuning.detector),
-                         detector_file),
-        EMBEDDER_MODEL: (_network_config(EMBEDDER_MODEL, settings.embedder, plan, tuning.embedder),
-                         embedder_file),
-        PIPELINE_MODEL: (_pipeline_config(plan, settings), None),
-    }
-    for name, (config, _) in models.items():
-        _check_compatible(out / name, config)
-    for name, (config, onnx_file) in models.items():
-        version_dir = out / name / str(plan.version)
-        version_dir.mkdir(parents=True, exist_ok=True)
-        if onnx_file is not None:
-            shutil.copyfile(onnx_file, version_dir / "model.onnx")
-            if plan.profile is Profile.CPU:
-                shutil.copyfile(SOURCES / "onnx_model" / "model.py", version_dir / "model.py")
-        else:
-            shutil.copyfile(SOURCES / "face_pipeline" / "model.py", version_dir / "model.py")
-        _write_config(out / name, config)
+    threads = tuning.detector_threads if role == "detector" else tuning.embedder_threads
+    params = {"onnx_file": "model.onnx", "runtime": tuning.runtime, "intra_op_threads": str(threads),
+              "intra_op_spinning": str(tuning.spinning).lower(), "precision": "f32"}
+    if precision is not None:
+        params |= {"precision": precision.precision, "precision_check": precision.summary()}
+    return params
+
+
+def _in_process_parameters(detector: mc.ModelConfig, embedder: mc.ModelConfig) -> dict[str, str]:
+    """face_pipeline's parameters for running the two networks itself, as their own configs say."""
+    params = {"layout": "in_process"}
+    for role, config in (("detector", detector), ("embedder", embedder)):
+        values = config.parameters
+        params |= {f"{role}_runtime": values["runtime"].string_value,
+                   f"{role}_precision": values["precision"].string_value,
+                   f"{role}_threads": values["intra_op_threads"].string_value,
+                   "intra_op_spinning": values["intra_op_spinning"].string_value}
+    return params
+
+
+def served_detector(spec: ModelSpec, source: Path, target: Path) -> ModelSpec:
+    """Write the detector as served — uint8 NHWC input, the normalization inside the graph — to ``target``
+    and return its description (a detector that already takes uint8 is copied as it is)."""
+    if spec.input_layout is InputLayout.NHWC_UINT8:
+        shutil.copyfile(source, target)
+        return spec
+    model = uint8_nhwc_input(onnx.load(str(source)), spec.input_name, spec.swap_rb, spec.mean, spec.std)
+    save_checked(model, target)
+    return replace(spec, input_layout=InputLayout.NHWC_UINT8)
+
+
+def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embedder_file: Path) -> Path:
+    """Write (or add version ``plan.version`` to) the repository at ``out``; returns ``out``.
+
+    CPU profile with OpenVINO: each network's precision is chosen by ``export.precision`` (checked
+    against fp32 ONNX Runtime on the test photos) and recorded in its config parameters."""
+    tuning = plan.effective_tuning
+    with tempfile.TemporaryDirectory() as staging:
+        served_file = Path(staging) / "detector.onnx"
+        detector = served_detector(plan.detector, detector_file, served_file)
+        checks: dict[str, PrecisionCheck] = {}
+        if plan.profile is Profile.CPU and tuning.runtime == Runtime.OPENVINO:
+            reference = (plan.detector, detector_file, plan.embedder, embedder_file)
+            choice = RuntimeChoice(Runtime.OPENVINO, "f32", tuning.detector_threads)
+            decode_min_side = int(tuning.pipeline_options.get("decode_min_side", "0"))
+            checks = choose_precisions(reference, served_file, detector, choice, tuning.detector_precision,
+                                       tuning.embedder_precision, decode_min_side)
+        base = PipelineSettings(
+            detector=replace(detector, onnx=""), embedder=replace(plan.embedder, onnx=""),
+            detector_max_batch=tuning.detector.max_batch_size,
+            embedder_max_batch=tuning.embedder.max_batch_size,
+            # TensorRT engines are built for one detector size; the CPU runtimes take any size.
+            dynamic_input=plan.profile is Profile.CPU,
+        )
+        options = {**tuning.pipeline_options, **{k: str(v) for k, v in plan.pipeline_overrides.items()}}
+        settings = PipelineSettings.from_parameters({**base.to_parameters(), **options})
+        models = {
+            DETECTOR_MODEL: (_network_config(DETECTOR_MODEL, settings.detector, plan, tuning.detector,
+                                             _runtime_parameters(plan, "detector", checks.get("detector"))),
+                             served_file),
+            EMBEDDER_MODEL: (_network_config(EMBEDDER_MODEL, settings.embedder, plan, tuning.embedder,
+                                             _runtime_parameters(plan, "embedder", checks.get("embedder"))),
+                             embedder_file),
+            PIPELINE_MODEL: (_pipeline_config(plan, settings), None),
+        }
+        in_process = plan.profile is Profile.CPU and tuning.layout == "in_process"
+        if in_process:  # face_pipeline runs both networks itself (the models stay, for re-embedding)
+            _set_parameters(models[PIPELINE_MODEL][0], _in_process_parameters(
+                models[DETECTOR_MODEL][0], models[EMBEDDER_MODEL][0]))
+        for name, (config, _) in models.items():
+            _check_compatible(out / name, config)
+        for name, (config, onnx_file) in models.items():
+            version_dir = out / name / str(plan.version)
+            version_dir.mkdir(parents=True, exist_ok=True)
+            if onnx_file is not None:
+                shutil.copyfile(onnx_file, version_dir / "model.onnx")
+                if plan.profile is Profile.CPU:
+                    shutil.copyfile(SOURCES / "onnx_model" / "model.py", version_dir / "model.py")
+            else:
+                shutil.copyfile(SOURCES / "face_pipeline" / "model.py", version_dir / "model.py")
+                for role, network in (("detector", served_file), ("embedder", embedder_file)):
+                    target = version_dir / f"{role}.onnx"
+                    if in_process:
+                        shutil.copyfile(network, target)
+                    else:
+                        target.unlink(missing_ok=True)
+            _write_config(out / name, config)
+    write_probe_image(out)  # the readiness probe's photo (facecore.probe)
+    for check in checks.values():
+        log.info("%s", check.summary())
     log.info("wrote %s repository version %d to %s", plan.profile, plan.version, out)
     return out
 

@@ -7,9 +7,11 @@ by the benchmarks' ceiling and naive baseline.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from numpy.typing import NDArray
 
 from facecore.processing import FloatArray
 from facecore.spec import ModelSpec
@@ -42,7 +44,7 @@ class OnnxDetector:
     def __init__(self, spec: ModelSpec, session: ort.InferenceSession) -> None:
         self._spec, self._session = spec, session
 
-    def __call__(self, batch: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def __call__(self, batch: NDArray[Any]) -> tuple[FloatArray, FloatArray, FloatArray]:
         loc, conf, landms = self._session.run(list(self._spec.output_names), {self._spec.input_name: batch})
         return np.asarray(loc), np.asarray(conf), np.asarray(landms)
 
@@ -53,6 +55,6 @@ class OnnxEmbedder:
     def __init__(self, spec: ModelSpec, session: ort.InferenceSession) -> None:
         self._spec, self._session = spec, session
 
-    def __call__(self, batch: FloatArray) -> FloatArray:
+    def __call__(self, batch: NDArray[Any]) -> FloatArray:
         (out,) = self._session.run(list(self._spec.output_names), {self._spec.input_name: batch})
         return np.asarray(out, dtype=np.float32)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 
 from facecore.contract import DETECTOR_MODEL, EMBEDDER_MODEL, Faces
 from facecore.limits import DEFAULT_LIMITS
@@ -28,21 +29,32 @@ from facecore.processing import (
     l2_normalize,
     letterbox,
     postprocess_detections,
+    softmax,
     to_tensor,
 )
-from facecore.spec import ModelSpec, Role, spec_from_dict
+from facecore.spec import InputLayout, ModelSpec, Role, spec_from_dict
+
+#: A network's input batch: float32 NCHW, or uint8 NHWC (``InputLayout``).
+NetworkInput = NDArray[np.float32] | NDArray[np.uint8]
 
 
 class Detector(Protocol):
-    def __call__(self, batch: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
-        """NCHW input -> (loc [N,A,4], conf [N,A,2], landmarks [N,A,10])."""
+    def __call__(self, batch: NetworkInput) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """Letterboxed images -> (loc [N,A,4], conf [N,A,2], landmarks [N,A,10])."""
         ...
 
 
 class Embedder(Protocol):
-    def __call__(self, batch: FloatArray) -> FloatArray:
-        """NCHW aligned faces -> raw embeddings [N, D]."""
+    def __call__(self, batch: NetworkInput) -> FloatArray:
+        """Aligned faces -> raw embeddings [N, D]."""
         ...
+
+
+def network_input(images: ImageArray, spec: ModelSpec) -> NetworkInput:
+    """NHWC uint8 BGR images [N, H, W, 3] -> the tensor the network takes (see ``InputLayout``)."""
+    if spec.input_layout is InputLayout.NHWC_UINT8:
+        return np.ascontiguousarray(images)
+    return to_tensor(images, spec.swap_rb, spec.mean, spec.std)
 
 
 @dataclass(frozen=True)
@@ -175,9 +187,11 @@ def detect(
     for size in dict.fromkeys(sizes):
         members = [i for i, s in enumerate(sizes) if s == size]
         boxed = [letterbox(images[i], size[0], size[1], fill) for i in members]
-        batch = to_tensor(np.stack([canvas for canvas, _ in boxed]), spec.swap_rb, spec.mean, spec.std)
+        batch = network_input(np.stack([canvas for canvas, _ in boxed]), spec)
         outputs = [detector(batch[part]) for part in _chunks(len(members), settings.detector_max_batch)]
         loc, conf, landms = (np.concatenate([out[k] for out in outputs]) for k in range(3))
+        if not spec.conf_softmax:  # the description says the network gives class logits
+            conf = softmax(conf)
         for k, (i, (_, scale)) in enumerate(zip(members, boxed, strict=True)):
             image = images[i]
             found[i] = postprocess_detections(loc[k], conf[k], landms[k], size, scale,
@@ -190,7 +204,7 @@ def embed(crops: ImageArray, settings: PipelineSettings, embedder: Embedder) -> 
     spec = settings.embedder
     if crops.shape[0] == 0:
         return np.zeros((0, spec.embedding_dim), dtype=np.float32)
-    batch = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
+    batch = network_input(crops, spec)
     parts = _chunks(len(batch), settings.embedder_max_batch)
     raw = np.concatenate([embedder(batch[part]) for part in parts])
     if raw.shape != (len(batch), spec.embedding_dim):

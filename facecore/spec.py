@@ -24,6 +24,16 @@ class ColorOrder(StrEnum):
     BGR = "BGR"
 
 
+class InputLayout(StrEnum):
+    """What the network's input tensor holds."""
+
+    #: float32 [N, 3, H, W], ``(x - mean) / std`` in ``color_order``: what exporters write.
+    NCHW_FLOAT = "nchw_float"
+    #: uint8 [N, H, W, 3], the BGR pixels as they are; colour order, mean, std and the transpose are
+    #: inside the graph (``python -m export`` adds them), so the pipeline does no per-pixel work.
+    NHWC_UINT8 = "nhwc_uint8"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model's input/output conventions. Images are decoded as BGR; ``color_order`` is what
@@ -47,6 +57,7 @@ class ModelSpec:
     match_threshold: float = 0.0
     #: Detectors: whether the class output is already softmaxed.
     conf_softmax: bool = True
+    input_layout: InputLayout = InputLayout.NCHW_FLOAT
     onnx: str = ""
     sha256: str = ""
     notes: str = ""
@@ -70,6 +81,7 @@ class ModelSpec:
 _CONVERTERS: dict[str, Any] = {
     "role": Role,
     "color_order": ColorOrder,
+    "input_layout": InputLayout,
     "output_names": tuple,
     "mean": lambda v: tuple(float(x) for x in v),
     "std": lambda v: tuple(float(x) for x in v),

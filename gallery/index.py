@@ -78,12 +78,11 @@ class FaceIndex:
         self.recall: float | None = None
         #: What the build measured (every candidate tried), empty for an exact index never compared.
         self.selection: list[Measurement] = []
-        self._cpu: Any = _flat(dimension)
         self._ids: set[int] = set()
         self._tombstones: set[int] = set()
         self.on_gpu = self.config.use_gpu and gpu_available()
         self._tombstoning = force_tombstones or self.on_gpu
-        self._index: Any = self._to_device(self._cpu)
+        self._index: Any = self._to_device(_flat(dimension))
 
     def _to_device(self, index: Any) -> Any:
         if not self.on_gpu:
@@ -175,7 +174,6 @@ class FaceIndex:
     def _adopt(self, built: Any, kind: IndexKind, ids: Ids) -> None:
         self.kind = kind
         self.nprobe = int(built.rerank) if kind.refined else int(built.nprobe)
-        self._cpu = built
         self._index = built if kind.refined else self._to_device(built)
         self._ids = set(ids.tolist())
 
@@ -232,7 +230,6 @@ class FaceIndex:
         index._ids = set(stored.tolist()) - index._tombstones
         if len(index._ids) != int(meta["ids"]):
             raise ValueError(f"snapshot {path} holds {len(index._ids)} ids, its metadata says {meta['ids']}")
-        index._cpu = cpu
         index._index = cpu if kind.refined else index._to_device(cpu)
         return index, meta
 

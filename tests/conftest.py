@@ -10,7 +10,8 @@ import pytest
 
 from export.defaults import DefaultModels, prepare_default_models
 from export.fetch import fetch_photos
-from export.repository import Profile, RepositoryPlan, write_repository
+from export.profiles import Profile
+from export.repository import RepositoryPlan, write_repository
 from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
 
@@ -67,3 +68,29 @@ def pipeline(triton: TritonServer) -> Iterator[PipelineClient]:
     client = PipelineClient(triton.grpc_url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def broken_triton(cpu_repository: Path, default_models: DefaultModels,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """A real Triton whose models all load and report ready, but whose face_pipeline fails every
+    request with faces: face_embedder serves the detector's ONNX file (its input is not ``data``) with
+    ONNX Runtime, without the warm-up that would have refused it at load time."""
+    import shutil
+
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    root = tmp_path_factory.mktemp("broken")
+    repository = Path(shutil.copytree(cpu_repository, root / "cpu",
+                                      ignore=shutil.ignore_patterns("__pycache__")))
+    embedder = repository / "face_embedder"
+    shutil.copyfile(default_models.detector_file, embedder / "1" / "model.onnx")
+    config = text_format.Parse((embedder / "config.pbtxt").read_text(), mc.ModelConfig())
+    config.ClearField("model_warmup")
+    # ONNX Runtime opens any ONNX file and fails at run time (OpenVINO would refuse the outputs at load)
+    config.parameters["runtime"].string_value = "onnxruntime"
+    (embedder / "config.pbtxt").write_text(text_format.MessageToString(config))
+    server = TritonServer(repository, TritonPorts(*free_ports(3)), log_file=root / "tritonserver.log")
+    with server:
+        yield server

@@ -74,7 +74,8 @@ def test_health(api: Api) -> None:
     assert api.ok(api.client.get("/health/live")) == {"status": "ok"}
     assert api.ok(api.client.get("/health/ready")) == {
         "ready": True,
-        "checks": {"triton": True, "database": True, "gallery": True},
+        "checks": {"triton": True, "recognition": True, "database": True, "gallery": True},
+        "details": {},
     }
 
 
@@ -183,10 +184,12 @@ def test_triton_outage_and_recovery(start_api: StartApi, cpu_repository: Path, t
             api.error(response, 503, "triton_unavailable")
         ready = api.client.get("/health/ready")
         assert ready.status_code == 503
-        assert ready.json() == {
+        body = ready.json()
+        assert {k: body[k] for k in ("ready", "checks")} == {
             "ready": False,
-            "checks": {"triton": False, "database": True, "gallery": True},
+            "checks": {"triton": False, "recognition": False, "database": True, "gallery": True},
         }
+        assert "not ready" in body["details"]["recognition"]
         assert api.client.get("/health/live").status_code == 200
         # What needs no inference keeps working.
         assert [f["has_crop"] for f in api.ok(api.get("/v1/collections/c/identities/obama/faces"))] == [True]
@@ -261,6 +264,7 @@ def test_database_outage_and_recovery(
         ready = api.client.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["checks"] == {
             "triton": True,
+            "recognition": True,
             "database": False,
             "gallery": True,
         }
@@ -308,3 +312,35 @@ def test_replicas_share_one_database(start_api: StartApi, db_url: str) -> None:
     )
     assert decision(first.identify("shared", "obama2.jpg")) is None
     assert took < 1.0
+
+
+def test_load_beyond_the_in_flight_limit_is_shed_with_503(start_api: StartApi) -> None:
+    """With room for 2 recognition requests, 10 at once: some are answered 503 overloaded (Retry-After: 1)
+    at once, the admitted ones succeed, and once the burst is over a request is admitted again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = start_api(limits={"max_in_flight": 2})
+    api.create_collection("c")
+    with ThreadPoolExecutor(10) as pool:
+        responses = list(pool.map(lambda _: api.identify("c", "t1.jpg"), range(10)))
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}, statuses
+    for response in responses:
+        if response.status_code == 503:
+            api.error(response, 503, "overloaded")
+            assert response.headers["retry-after"] == "1"
+    assert api.app.state.admission.in_flight == 0 and api.app.state.admission.refused == statuses.count(503)
+    api.ok(api.identify("c", "obama.jpg"))
+    families = {f.name: f for f in text_string_to_metric_families(api.get("/metrics").text)}
+    assert families["facerec_shed_requests"].samples[0].value == statuses.count(503)
+
+
+def test_a_full_triton_queue_is_overloaded_not_unavailable() -> None:
+    from facecore.client import PipelineError
+    from service.errors import Overloaded, Unavailable, pipeline_error
+
+    full = pipeline_error(PipelineError("[StatusCode.UNAVAILABLE] Exceeds maximum queue size",
+                                        "StatusCode.UNAVAILABLE"))
+    assert isinstance(full, Overloaded) and full.code == "overloaded" and full.retry_after_s == 1
+    down = pipeline_error(PipelineError("failed to connect to all addresses", "StatusCode.UNAVAILABLE"))
+    assert isinstance(down, Unavailable) and down.code == "triton_unavailable"

@@ -39,9 +39,11 @@ def fake_pb_utils(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
     fake.BLS_HANDLERS.clear()
     fake.BLS_CALLS.clear()
+    fake.BLS_GPU_MODELS.clear()
     yield fake
     fake.BLS_HANDLERS.clear()
     fake.BLS_CALLS.clear()
+    fake.BLS_GPU_MODELS.clear()
 
 
 def _config(repository: Path, model: str) -> str:
@@ -69,8 +71,9 @@ def detector_mode(request: pytest.FixtureRequest) -> str:
 def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_models: DefaultModels,
                    detector_mode: str) -> object:
     """face_pipeline's TritonPythonModel wired to the real ONNX models through the fake BLS."""
-    detector = create_session(default_models.detector_file)
-    embedder = create_session(default_models.embedder_file)
+    # the networks as served: the repository's files (the detector takes uint8 NHWC there)
+    detector = create_session(cpu_repository / "face_detector" / "1" / "model.onnx")
+    embedder = create_session(cpu_repository / "face_embedder" / "1" / "model.onnx")
     det_spec, emb_spec = default_models.detector, default_models.embedder
 
     def run_detector(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -110,11 +113,12 @@ def test_one_detector_and_one_embedder_call_for_the_whole_execute(
     assert counts == [6, 1, 0, 1, 1]
     shapes = [call["input"].shape for call in calls_to("face_detector")]
     if detector_mode == "fixed":
-        assert shapes == [(5, 3, 640, 640)]  # one call for the whole execute
+        assert shapes == [(5, 640, 640, 3)]  # one call for the whole execute, uint8 NHWC
     else:  # one call per input size: each image's aspect ratio, multiples of 32, longer side 640;
         # t1.jpg (1280x886) and coffee.png (600x400) both become 640x448 and share a call
-        assert sorted(shapes) == sorted([(2, 3, 448, 640), (1, 3, 640, 512), (1, 3, 640, 288),
-                                         (1, 3, 640, 352)])
+        assert sorted(shapes) == sorted([(2, 448, 640, 3), (1, 640, 512, 3), (1, 640, 288, 3),
+                                         (1, 640, 352, 3)])
+    assert all(call["input"].dtype == np.uint8 for call in calls_to("face_detector"))
     (embedder_call,) = calls_to("face_embedder")
     assert embedder_call["data"].shape == (9, 3, 112, 112)
     for response, count in zip(responses, counts, strict=True):
@@ -125,6 +129,36 @@ def test_one_detector_and_one_embedder_call_for_the_whole_execute(
         np.testing.assert_allclose(np.linalg.norm(embeddings[0], axis=1), 1.0, rtol=1e-5)
         assert response.output("CROPS").shape == (1, 0, 112, 112, 3)
     assert responses[0].output("IMAGE_SIZE").tolist() == [[1280, 886]]
+
+
+def test_fake_gpu_tensors_behave_like_the_real_ones(fake_pb_utils: ModuleType) -> None:
+    """The fake's GPU placement, checked against python_backend r24.10 (pb_tensor.cc, pb_stub.cc)."""
+    fake_pb_utils.BLS_HANDLERS["gpu_model"] = lambda inputs: {"out": inputs["x"] * 2}
+    fake_pb_utils.BLS_GPU_MODELS.add("gpu_model")
+    x = [fake.Tensor("x", np.ones(3, np.float32))]
+    default = fake.InferenceRequest(model_name="gpu_model", requested_output_names=["out"], inputs=x).exec()
+    (on_gpu,) = default.output_tensors()
+    assert not on_gpu.is_cpu()
+    with pytest.raises(fake.TritonModelException, match="stored in GPU and cannot be converted to NumPy"):
+        on_gpu.as_numpy()
+    cpu = fake.PreferredMemory(fake.TRITONSERVER_MEMORY_CPU, 0)
+    asked = fake.InferenceRequest(model_name="gpu_model", requested_output_names=["out"], inputs=x,
+                                  preferred_memory=cpu).exec()
+    assert asked.output("out").tolist() == [2.0, 2.0, 2.0]
+    capsule = fake.Tensor("x", np.arange(3)).to_dlpack()
+    assert fake.Tensor.from_dlpack("y", capsule).as_numpy().tolist() == [0, 1, 2]
+
+
+def test_outputs_of_gpu_models_reach_numpy(
+    pipeline_model: object, fake_pb_utils: ModuleType, photo_bytes: dict[str, bytes]
+) -> None:
+    """TensorRT models leave their outputs in GPU memory unless the BLS request prefers CPU memory."""
+    fake_pb_utils.BLS_GPU_MODELS.update({"face_detector", "face_embedder"})
+    responses = pipeline_model.execute(  # type: ignore[attr-defined]
+        [request(photo_bytes["t1.jpg"]), request(photo_bytes["obama.jpg"])])
+    errors = [None if r.error() is None else r.error().message() for r in responses]
+    assert errors == [None, None]
+    assert [r.output("EMBEDDINGS").shape for r in responses] == [(1, 6, 128), (1, 1, 128)]
 
 
 def test_no_face_makes_no_embedder_call(pipeline_model: object, photo_bytes: dict[str, bytes]) -> None:
@@ -179,7 +213,7 @@ def test_onnx_model_merges_requests_of_the_same_shape(
     batches = [rng.uniform(0, 255, (n, 3, 112, 112)).astype(np.float32) for n in (2, 1, 3)]
     requests = [fake.InferenceRequest(inputs=[fake.Tensor("data", b)]) for b in batches]
     responses = model.execute(requests)
-    alone = [model.session.run(["fc1"], {"data": b})[0] for b in batches]
+    alone = [model.run(b)[0] for b in batches]
     for response, expected in zip(responses, alone, strict=True):
         np.testing.assert_allclose(response.output("fc1"), expected, atol=1e-4)
 

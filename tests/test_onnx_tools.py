@@ -12,7 +12,17 @@ from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from export.onnx_tools import dequantize, describe, fold_weight_dequantization, make_batch_dynamic
+from export.defaults import DefaultModels
+from export.onnx_tools import (
+    dequantize,
+    describe,
+    fold_weight_dequantization,
+    make_batch_dynamic,
+    save_checked,
+    uint8_nhwc_input,
+)
+from facecore.onnx_runtime import create_session
+from facecore.processing import to_tensor
 
 OPSET = 21
 IR_VERSION = 10
@@ -313,3 +323,22 @@ def test_rewrite_prelu_is_exact_for_any_slope(tmp_path: Path) -> None:
     got = ort.InferenceSession(str(optimized), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_array_equal(got, expected)
     assert "PRelu" not in {n.op_type for n in rewrite_prelu(model).graph.node}
+
+
+def test_uint8_nhwc_detector_input_equals_the_float_path(default_models: DefaultModels,
+                                                         tmp_path: Path) -> None:
+    """The graph edit moves Cast, mean, std, channel order and the transpose into the network: the same
+    outputs as the float NCHW path on the same pixels, for BGR and for a network that wants RGB."""
+    spec = default_models.detector
+    pixels = np.random.default_rng(3).integers(0, 256, (2, 192, 256, 3), dtype=np.uint8)
+    original = create_session(default_models.detector_file)
+    for swap_rb, std in ((False, (1.0, 1.0, 1.0)), (True, (58.0, 57.0, 57.5))):
+        edited = uint8_nhwc_input(onnx.load(str(default_models.detector_file)), spec.input_name, swap_rb,
+                                  spec.mean, std)
+        path = save_checked(edited, tmp_path / f"u8_{swap_rb}.onnx")
+        session = create_session(path)
+        assert session.get_inputs()[0].type == "tensor(uint8)"
+        expected = original.run(None, {spec.input_name: to_tensor(pixels, swap_rb, spec.mean, std)})
+        got = session.run(None, {spec.input_name: pixels})
+        for a, b in zip(expected, got, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)

@@ -12,7 +12,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from export.__main__ import main as export_main
 from export.defaults import DefaultModels
-from export.repository import Profile, ProfileTuning, RepositoryPlan, pin_version, write_repository
+from export.profiles import Profile, ProfileTuning
+from export.repository import RepositoryPlan, pin_version, write_repository
 from facecore.client import PipelineClient
 from facecore.pipeline import PipelineSettings
 from facecore.triton_config import parameters
@@ -46,7 +47,10 @@ def test_cpu_profile(cpu_repository: Path) -> None:
         assert (cpu_repository / name / "1" / "model.py").is_file()
     detector = read_config(cpu_repository, "face_detector")
     assert detector.parameters["intra_op_spinning"].string_value in ("true", "false")
-    assert list(detector.input[0].dims) == [3, -1, -1]
+    # uint8 NHWC BGR in, the normalization inside the graph (export), any size
+    assert list(detector.input[0].dims) == [-1, -1, 3] and detector.input[0].data_type == mc.TYPE_UINT8
+    assert detector.parameters["runtime"].string_value == ProfileTuning.default(Profile.CPU).runtime
+    assert detector.parameters["precision"].string_value in ("f32", "bf16")
     assert "MobileNet-0.25" in detector.parameters["architecture"].string_value
     assert detector.model_warmup[0].inputs["input"].random_data
     embedder = read_config(cpu_repository, "face_embedder")
@@ -67,7 +71,7 @@ def test_gpu_profile(default_models: DefaultModels, tmp_path: Path) -> None:
         assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
         assert (repository / name / "1" / "model.onnx").is_file()
         assert not (repository / name / "1" / "model.py").exists()
-    assert list(read_config(repository, "face_detector").input[0].dims) == [3, 640, 640]
+    assert list(read_config(repository, "face_detector").input[0].dims) == [640, 640, 3]
     pipeline = read_config(repository, "face_pipeline")
     assert pipeline.backend == "python" and pipeline.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     strings = {k: {"string_value": v.string_value} for k, v in pipeline.parameters.items()}

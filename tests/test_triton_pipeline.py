@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -10,11 +12,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from export.defaults import DefaultModels
+from export.profiles import Profile, ProfileTuning
+from export.repository import RepositoryPlan, write_repository
+from export.served import served_networks
 from facecore.client import PipelineClient, PipelineError
-from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
-from facecore.pipeline import PipelineSettings, run_pipeline
-from facecore.processing import decode_image
-from service.launcher import TritonServer
+from facecore.pipeline import run_pipeline
+from facecore.processing import decode_image, original_size
+from service.launcher import TritonPorts, TritonServer
+from tests.conftest import free_ports
 
 pytestmark = pytest.mark.triton
 
@@ -107,17 +112,20 @@ def test_per_request_settings(pipeline: PipelineClient, photo_bytes: dict[str, b
 
 
 def test_server_results_equal_the_in_process_pipeline(
-    pipeline: PipelineClient, photo_bytes: dict[str, bytes], default_models: DefaultModels
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes], cpu_repository: Path
 ) -> None:
-    settings = PipelineSettings(default_models.detector, default_models.embedder)
-    detector = OnnxDetector(default_models.detector, create_session(default_models.detector_file))
-    embedder = OnnxEmbedder(default_models.embedder, create_session(default_models.embedder_file))
-    image = decode_image(photo_bytes["t1.jpg"], settings.max_pixels)
-    (local,) = run_pipeline([image], [settings.default_options], settings, detector, embedder)
-    remote = pipeline.infer(photo_bytes["t1.jpg"])
-    np.testing.assert_allclose(remote.boxes, local.boxes, atol=1e-2)
-    np.testing.assert_allclose(remote.landmarks, local.landmarks, atol=1e-2)
-    np.testing.assert_allclose(remote.embeddings, local.embeddings, atol=1e-4)
+    """The server runs exactly what the repository describes (runtime, precision, uint8 detector input,
+    reduced decode): the same pipeline in-process gives the same faces."""
+    served = served_networks(cpu_repository)
+    settings = served.settings
+    data = photo_bytes["t1.jpg"]
+    image = decode_image(data, settings.max_pixels, settings.decode_min_side)
+    (local,) = run_pipeline([image], [settings.default_options], settings, served.detector(),
+                            served.embedder(), [original_size(data, image)])
+    remote = pipeline.infer(data)
+    np.testing.assert_allclose(remote.boxes, local.boxes, atol=0.5)
+    np.testing.assert_allclose(remote.landmarks, local.landmarks, atol=0.5)
+    assert np.min(np.sum(remote.embeddings * local.embeddings, axis=1)) > 0.9999
 
 
 def test_twenty_concurrent_mixed_requests(
@@ -134,3 +142,25 @@ def test_twenty_concurrent_mixed_requests(
     executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
     assert requests == 20
     assert executions < requests, "dynamic batching should merge concurrent requests into fewer executions"
+
+
+def test_in_process_layout_answers_like_the_bls_layout(
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes], default_models: DefaultModels, tmp_path: Path
+) -> None:
+    """face_pipeline running both networks itself (the CPU sweep's other layout) against the real server
+    gives the faces of the three-model BLS layout."""
+    tuning = replace(ProfileTuning.default(Profile.CPU), layout="in_process")
+    plan = RepositoryPlan(Profile.CPU, default_models.detector, default_models.embedder, tuning=tuning)
+    repository = write_repository(plan, tmp_path / "in_process", default_models.detector_file,
+                                  default_models.embedder_file)
+    assert (repository / "face_pipeline" / "1" / "detector.onnx").is_file()
+    server = TritonServer(repository, TritonPorts(*free_ports(3)), log_file=tmp_path / "triton.log")
+    with server:
+        local = PipelineClient(server.grpc_url)
+        for name in ("t1.jpg", "obama.jpg", "coffee.png"):
+            expected, got = pipeline.infer(photo_bytes[name]), local.infer(photo_bytes[name])
+            assert len(got) == len(expected) == EXPECTED_FACES[name]
+            np.testing.assert_allclose(got.boxes, expected.boxes, atol=0.5)
+            if len(got):
+                assert np.min(np.sum(got.embeddings * expected.embeddings, axis=1)) > 0.9999
+        local.close()

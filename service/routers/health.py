@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -10,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from facecore.client import AsyncPipelineClient
 from service.deps import GalleryDep, StoreDep
+from service.readiness import RecognitionCheck, TritonStatus
 from service.schemas import Liveness, Readiness
 
 router = APIRouter(tags=["health"])
@@ -21,13 +23,24 @@ async def live() -> Liveness:
 
 
 @router.get("/health/ready", response_model=Readiness,
-            summary="Triton models, database and gallery are ready",
+            summary="Triton models, recognition of a real photo, database and gallery are ready",
             responses={503: {"model": Readiness}})
 async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONResponse:
     pipeline: AsyncPipelineClient = request.app.state.pipeline
+    recognition: RecognitionCheck = request.app.state.recognition
+    supervised: Callable[[], TritonStatus] | None = getattr(request.app.state, "triton_status", None)
     triton, database = await asyncio.gather(pipeline.ready(), asyncio.to_thread(store.db.ping))
-    checks = {"triton": triton, "database": database, "gallery": gallery.loaded}
-    body = Readiness(ready=all(checks.values()), checks=checks)
+    if triton:
+        probe = await recognition.result()
+    else:  # and the next probe must not reuse a success from before the outage
+        probe = recognition.invalidate("not checked: face_pipeline is not ready in Triton")
+    checks = {"triton": triton, "recognition": probe.ok, "database": database, "gallery": gallery.loaded}
+    details = {} if probe.ok else {"recognition": probe.detail}
+    status = supervised() if supervised is not None else None
+    if status is not None and not status.up:  # the bundled tritonserver is being restarted
+        checks["triton"] = False
+        details["triton"] = status.detail
+    body = Readiness(ready=all(checks.values()), checks=checks, details=details)
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
 

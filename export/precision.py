@@ -1,0 +1,239 @@
+"""Which precision each network may run at: checked against fp32 ONNX Runtime on real faces, at export.
+
+The embedder alone, on the same aligned crops: cosine >= 0.999 on every face. The whole pipeline with
+the served detector (uint8 input, the candidate runtime and precision) against the fp32 reference: the
+same faces found, box IoU >= 0.95, embedding cosine >= 0.99 on every face, and identical decisions —
+same/different between every pair of faces, the face that enrollment with ``face=largest`` takes in
+every image, and the quality gate's verdict on every face. The test photos are checked as they are and
+downscaled (0.5x, 0.3x), so that small faces — where reduced precision moves landmarks most — are part
+of it. A precision that fails is not used; the export logs why and records every check beside the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from facecore.contract import Faces
+from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
+from facecore.pipeline import PipelineSettings, run_pipeline
+from facecore.processing import ImageArray, decode_image, to_tensor
+from facecore.quality import QualityThresholds, assess
+from facecore.runtimes import Runtime, RuntimeChoice, detector, embedder
+from facecore.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+EMBEDDER_COSINE = 0.999
+PIPELINE_COSINE = 0.99
+BOX_IOU = 0.95
+SCALES = (1.0, 0.5, 0.3)
+
+
+@dataclass(frozen=True)
+class PrecisionCheck:
+    network: str  # "detector" or "embedder"
+    runtime: str
+    precision: str
+    passed: bool
+    faces: int
+    worst_cosine: float
+    worst_iou: float = 1.0
+    same_faces: bool = True
+    same_decisions: bool = True
+    reason: str = ""
+
+    def summary(self) -> str:
+        verdict = "accepted" if self.passed else f"refused ({self.reason})"
+        return (f"{self.network} {self.runtime} {self.precision}: {verdict}; {self.faces} faces, "
+                f"worst cosine {self.worst_cosine:.5f}, worst box IoU {self.worst_iou:.4f}")
+
+
+def check_images(photos: dict[str, Path], decode_min_side: int = 0) -> list[ImageArray]:
+    """The test photos (faceless ones too: no face must appear) at every scale of ``SCALES``, and, for
+    JPEGs the pipeline decodes at reduced size (``decode_min_side``), as it decodes them."""
+    data = [path.read_bytes() for name, path in sorted(photos.items())
+            if name.endswith((".jpg", ".png")) and not name.startswith("Tom_Hanks")]
+    images = [decode_image(d, 10**8) for d in data]
+    scaled = [image if scale == 1.0 else
+              np.asarray(cv2.resize(image, None, fx=scale, fy=scale, interpolation=cv2.INTER_AREA), np.uint8)
+              for image in images for scale in SCALES]
+    if not decode_min_side:
+        return scaled
+    served = [decode_image(d, 10**8, decode_min_side) for d in data]
+    return scaled + [s for s, full in zip(served, images, strict=True) if s.shape != full.shape]
+
+
+def _iou(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> float:
+    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
+    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
+    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return float(inter / union) if union > 0 else 0.0
+
+
+def _decisions(embeddings: np.ndarray[Any, Any], threshold: float) -> np.ndarray[Any, Any]:
+    return np.asarray(embeddings @ embeddings.T >= threshold)
+
+
+def _enrollment_decisions(faces: Sequence[Faces]) -> list[tuple[int, list[list[str]]]]:
+    """Per image: the largest face's index and each face's quality-gate rejections (default gate)."""
+    gate = QualityThresholds()
+    out = []
+    for f in faces:
+        verdicts = [[r.value for r in assess(f.boxes[i], f.landmarks[i], float(f.blur[i]),
+                                             float(f.scores[i])).rejections(gate)] for i in range(len(f))]
+        out.append((int(np.argmax(f.areas())) if len(f) else -1, verdicts))
+    return out
+
+
+def compare_pipelines(reference: Sequence[Faces], candidate: Sequence[Faces], threshold: float,
+                      network: str, choice: RuntimeChoice) -> PrecisionCheck:
+    same_faces = all(len(r) == len(c) for r, c in zip(reference, candidate, strict=True))
+    cosines, ious = [], []
+    for r, c in zip(reference, candidate, strict=True):
+        if len(r) == len(c):
+            cosines += np.sum(r.embeddings * c.embeddings, axis=1).tolist()
+            ious += [_iou(a, b) for a, b in zip(r.boxes, c.boxes, strict=True)]
+    ref_all = np.concatenate([r.embeddings for r in reference]) if same_faces else np.zeros((0, 1))
+    cand_all = np.concatenate([c.embeddings for c in candidate]) if same_faces else np.zeros((0, 1))
+    same_decisions = same_faces and bool(np.array_equal(_decisions(ref_all, threshold),
+                                                        _decisions(cand_all, threshold)))
+    same_decisions = same_decisions and _enrollment_decisions(reference) == _enrollment_decisions(candidate)
+    worst_cosine, worst_iou = min(cosines, default=0.0), min(ious, default=0.0)
+    reasons = [text for failed, text in (
+        (not same_faces, "other faces found"), (worst_iou < BOX_IOU, f"box IoU {worst_iou:.4f} < {BOX_IOU}"),
+        (worst_cosine < PIPELINE_COSINE, f"cosine {worst_cosine:.5f} < {PIPELINE_COSINE}"),
+        (not same_decisions, "a decision changed (same/different, largest face or quality gate)"))
+        if failed]
+    return PrecisionCheck(network, choice.runtime.value, choice.precision, not reasons, len(cosines),
+                          worst_cosine, worst_iou, same_faces, same_decisions, "; ".join(reasons))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The fp32 ONNX Runtime pipeline on the check images: what every candidate is compared with."""
+
+    detector: ModelSpec
+    embedder: ModelSpec
+    embedder_file: Path
+    images: list[ImageArray]
+    faces: list[Faces]
+
+    @classmethod
+    def build(cls, detector: ModelSpec, detector_file: Path, embedder: ModelSpec, embedder_file: Path,
+              images: list[ImageArray]) -> Reference:
+        settings = PipelineSettings(detector, embedder)
+        faces = run_pipeline(images, [settings.default_options] * len(images), settings,
+                             OnnxDetector(detector, create_session(detector_file)),
+                             OnnxEmbedder(embedder, create_session(embedder_file)))
+        return cls(detector, embedder, embedder_file, images, faces)
+
+    @property
+    def crops(self) -> ImageArray:
+        return np.concatenate([f.crops for f in self.faces])
+
+
+def check_detector(reference: Reference, served: ModelSpec, served_file: Path, choice: RuntimeChoice
+                   ) -> PrecisionCheck:
+    """The whole pipeline with the served detector at ``choice`` (fp32 ORT embedder) vs the reference."""
+    settings = PipelineSettings(served, reference.embedder)
+    embed = OnnxEmbedder(reference.embedder, create_session(reference.embedder_file))
+    got = run_pipeline(reference.images, [settings.default_options] * len(reference.images), settings,
+                       detector(served, served_file, choice), embed)
+    return compare_pipelines(reference.faces, got, reference.embedder.match_threshold, "detector", choice)
+
+
+def check_embedder(reference: Reference, choice: RuntimeChoice) -> PrecisionCheck:
+    """The embedder alone at ``choice`` vs fp32 ONNX Runtime on the same aligned crops."""
+    spec, crops = reference.embedder, reference.crops
+    batch = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
+    expected = OnnxEmbedder(spec, create_session(reference.embedder_file))(batch)
+    got = embedder(spec, reference.embedder_file, choice)(batch)
+    norms = np.linalg.norm(expected, axis=1) * np.linalg.norm(got, axis=1)
+    cosines = np.sum(expected * got, axis=1) / norms
+    worst = float(cosines.min())
+    passed = worst >= EMBEDDER_COSINE
+    return PrecisionCheck("embedder", choice.runtime.value, choice.precision, passed, len(crops), worst,
+                          reason="" if passed else f"cosine {worst:.5f} < {EMBEDDER_COSINE}")
+
+
+def record(checks: Sequence[PrecisionCheck], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
+
+
+def first_passing(candidates: Sequence[str], check: Callable[[RuntimeChoice], PrecisionCheck],
+                  base: RuntimeChoice) -> tuple[str, list[PrecisionCheck]]:
+    """The first precision of ``candidates`` whose check passes (the last one must: f32)."""
+    checks = []
+    for precision in candidates:
+        result = check(RuntimeChoice(Runtime(base.runtime), precision, base.threads, base.spinning))
+        checks.append(result)
+        log.info("precision check: %s", result.summary())
+        if result.passed:
+            return precision, checks
+    raise RuntimeError("no precision passed the accuracy check: " + "; ".join(c.summary() for c in checks))
+
+
+CHECK_VERSION = 2
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def _wanted(setting: str) -> list[str]:
+    """Precisions to try, best first: ``auto`` is bf16 where the CPU has it, then f32."""
+    from facecore.openvino_runtime import bf16_supported
+
+    if setting == "auto":
+        return ["bf16", "f32"] if bf16_supported() else ["f32"]
+    if setting not in ("f32", "bf16"):
+        raise ValueError(f"precision must be auto, f32 or bf16, got {setting!r}")
+    return [setting] if setting == "f32" else [setting, "f32"]
+
+
+def _cache_key(*parts: str) -> str:
+    import hashlib
+
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], served_detector: Path,
+                      served_spec: ModelSpec, choice: RuntimeChoice, detector_setting: str,
+                      embedder_setting: str, decode_min_side: int = 0, artifacts: Path = ARTIFACTS
+                      ) -> dict[str, PrecisionCheck]:
+    """The precision each network will run at, by the checks above (cached under ``artifacts``)."""
+    import openvino
+
+    from export.fetch import fetch_photos
+    from facecore.files import sha256_of
+
+    det_spec, det_file, emb_spec, emb_file = reference_files
+    key = _cache_key(str(CHECK_VERSION), sha256_of(served_detector), sha256_of(emb_file),
+                     openvino.__version__, ",".join(_wanted(detector_setting)),
+                     ",".join(_wanted(embedder_setting)), choice.runtime, str(decode_min_side))
+    cached = artifacts / "precision" / f"{key}.json"
+    if cached.exists():
+        checks = [PrecisionCheck(**c) for c in json.loads(cached.read_text())]
+    else:
+        photos = fetch_photos(artifacts / "downloads", artifacts / "photos")
+        reference = Reference.build(det_spec, det_file, emb_spec, emb_file,
+                                    check_images(photos, decode_min_side))
+        _, detector_checks = first_passing(
+            _wanted(detector_setting), lambda c: check_detector(reference, served_spec, served_detector, c),
+            choice)
+        _, embedder_checks = first_passing(_wanted(embedder_setting), lambda c: check_embedder(reference, c),
+                                           choice)
+        checks = [*detector_checks, *embedder_checks]
+        record(checks, cached)
+    for check in checks:
+        if not check.passed:
+            log.warning("precision refused: %s", check.summary())
+    return {network: next(c for c in checks if c.network == network and c.passed)
+            for network in ("detector", "embedder")}

@@ -1,0 +1,92 @@
+"""Serving profiles and their tuning: batching, instances, runtime, precision, layout.
+
+``bench.tune`` measures candidates and records the best in ``export/tuning/<profile>.json``, which is
+then the default that ``write_repository`` uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+TUNING_DIR = Path(__file__).resolve().parent / "tuning"
+
+
+class Profile(StrEnum):
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Dynamic-batching and instance choices of one model."""
+
+    max_batch_size: int
+    preferred: tuple[int, ...]
+    queue_delay_us: int
+    instances: int = 1
+
+
+@dataclass(frozen=True)
+class ProfileTuning:
+    """Serving choices of one profile. ``bench.tune`` measures candidates and records the best in
+    ``export/tuning/<profile>.json``, which then is the default."""
+
+    detector: Batching
+    embedder: Batching
+    pipeline: Batching
+    detector_threads: int = 2  # runtime threads per instance (CPU profile)
+    embedder_threads: int = 2
+    #: ONNX Runtime worker threads busy-wait for work (fast hand-over, but burns shared cores).
+    spinning: bool = True
+    #: CPU profile: ``openvino`` or ``onnxruntime`` for the two networks.
+    runtime: str = "openvino"
+    #: OpenVINO inference precision per network: ``auto`` (bf16 where the CPU has it and the export's
+    #: accuracy check accepts it, else f32), ``f32`` or ``bf16`` (still checked; refused -> f32).
+    detector_precision: str = "auto"
+    embedder_precision: str = "auto"
+    #: CPU profile: ``bls`` (face_pipeline calls the face_detector / face_embedder models) or
+    #: ``in_process`` (face_pipeline runs both networks itself; the two models stay for re-embedding).
+    layout: str = "bls"
+    #: face_pipeline parameters (PipelineSettings fields as strings), e.g. {"decode_min_side": "1280"}.
+    pipeline_options: dict[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def builtin(profile: Profile) -> ProfileTuning:
+        """Starting points before any measurement; ``export/tuning/<profile>.json``, when present, wins."""
+        if profile is Profile.CPU:
+            return ProfileTuning(
+                detector=Batching(8, (4, 8), 1000),
+                embedder=Batching(64, (16, 32, 64), 1000),
+                pipeline=Batching(8, (4, 8), 2000),
+                # JPEGs at least twice the detector input are decoded at 1/2, 1/4 or 1/8 scale.
+                pipeline_options={"decode_min_side": "640"},
+            )
+        # GPU: larger batches amortize kernel launches; two BLS instances keep the GPU fed.
+        return ProfileTuning(
+            detector=Batching(16, (8, 16), 500),
+            embedder=Batching(128, (32, 64, 128), 500),
+            pipeline=Batching(16, (8, 16), 1000, instances=2),
+        )
+
+    @staticmethod
+    def default(profile: Profile) -> ProfileTuning:
+        """The recorded tuning of this profile when there is one, else the built-in choice."""
+        recorded = TUNING_DIR / f"{profile.value}.json"
+        if recorded.exists():
+            return ProfileTuning.from_json(recorded.read_text())
+        return ProfileTuning.builtin(profile)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @staticmethod
+    def from_json(text: str) -> ProfileTuning:
+        data = json.loads(text)
+        data.pop("note", None)
+        batching = {k: Batching(v["max_batch_size"], tuple(v["preferred"]), v["queue_delay_us"],
+                                v["instances"])
+                    for k, v in data.items() if k in ("detector", "embedder", "pipeline")}
+        return ProfileTuning(**{**data, **batching})

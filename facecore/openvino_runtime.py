@@ -1,0 +1,79 @@
+"""OpenVINO for the detector and embedder on CPU: the default CPU runtime (ONNX Runtime stays selectable).
+
+OpenVINO reads the same ONNX files. Its inference precision is set explicitly per network: ``bf16`` only
+where the CPU executes bfloat16 natively (AVX-512 BF16 or AMX; OpenVINO lists ``BF16`` among the CPU's
+optimization capabilities) and the export's accuracy check accepted it, ``f32`` otherwise (OpenVINO
+would otherwise pick bf16 by itself on such CPUs, unchecked).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from facecore.processing import FloatArray
+
+log = logging.getLogger(__name__)
+
+
+class Precision(StrEnum):
+    F32 = "f32"
+    BF16 = "bf16"
+
+
+@functools.cache
+def core() -> ov.Core:
+    return ov.Core()
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU runs bfloat16 natively (OpenVINO's own capability list)."""
+    return "BF16" in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def usable_precision(wanted: Precision) -> Precision:
+    """``wanted``, or f32 where the CPU has no bfloat16 (a repository exported on another machine)."""
+    if wanted is Precision.BF16 and not bf16_supported():
+        log.warning("bf16 was chosen at export but this CPU has no native bfloat16: running f32")
+        return Precision.F32
+    return wanted
+
+
+def compile_model(path: str | Path, precision: Precision, threads: int = 0) -> ov.CompiledModel:
+    """A CPU compiled model: one stream (Triton runs instances in parallel), ``threads`` 0 = all cores,
+    latency hint, and the precision set explicitly."""
+    config: dict[str, Any] = {
+        "INFERENCE_PRECISION_HINT": precision.value,
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+        "ENABLE_CPU_PINNING": False,  # several processes share the cores: do not pin threads
+    }
+    if threads > 0:
+        config["INFERENCE_NUM_THREADS"] = threads
+    return core().compile_model(core().read_model(str(path)), "CPU", config)
+
+
+class Network:
+    """One compiled model, one infer request per calling thread (an infer request is not thread-safe)."""
+
+    def __init__(self, compiled: ov.CompiledModel) -> None:
+        self._compiled = compiled
+        self._local = threading.local()
+
+    def __call__(self, batch: np.ndarray[Any, Any]) -> list[FloatArray]:
+        return self.run(batch)
+
+    def run(self, batch: np.ndarray[Any, Any]) -> list[FloatArray]:
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self._compiled.create_infer_request()
+        request.infer({0: batch}, share_inputs=True)
+        return [np.array(request.get_output_tensor(i).data, dtype=np.float32)
+                for i in range(len(self._compiled.outputs))]

@@ -1,0 +1,79 @@
+"""The gateway's cached recognition check (``facecore.probe``), refreshed in the background.
+
+``/health/ready`` must not run an inference for every poll of every load balancer, and must not
+report a stale success: a successful result is reused for ``interval_s``, a failed one for at most
+``RETRY_S`` (so readiness comes back within a second or so of Triton coming back). One probe runs at
+a time; concurrent readiness requests wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from facecore.client import AsyncPipeline
+from facecore.probe import ProbeResult, probe_async
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 1.0
+PROBE_TIMEOUT_S = 4.0  # under the readiness probes' 5 s
+
+
+@dataclass(frozen=True)
+class TritonStatus:
+    """What a supervisor of the local tritonserver says (``service.supervisor``)."""
+
+    up: bool
+    detail: str
+
+
+class RecognitionCheck:
+    def __init__(self, pipeline: AsyncPipeline, image: bytes, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pipeline, self.image, self.interval_s, self.clock = pipeline, image, interval_s, clock
+        self.last = ProbeResult(False, "not checked yet", float("-inf"))
+        self._lock = asyncio.Lock()
+
+    def _fresh(self, result: ProbeResult) -> bool:
+        age = self.clock() - result.checked_at
+        return age < (self.interval_s if result.ok else RETRY_S)
+
+    async def refresh(self) -> ProbeResult:
+        """Run the probe now (or wait for the one running) and remember its result."""
+        started = self.clock()
+        async with self._lock:
+            if self.last.checked_at >= started:  # another caller probed while this one waited
+                return self.last
+            try:
+                async with asyncio.timeout(PROBE_TIMEOUT_S):
+                    result = await probe_async(self.pipeline, self.image)
+            except TimeoutError:
+                result = ProbeResult.failed(f"no answer to the probe within {PROBE_TIMEOUT_S} s")
+            except Exception as exc:  # whatever the client raised: not ready, and say why
+                result = ProbeResult.failed(f"the probe failed: {exc!r}")
+            result = ProbeResult(result.ok, result.detail, self.clock())
+            if result.ok != self.last.ok:
+                log.log(logging.INFO if result.ok else logging.WARNING, "recognition probe: %s%s",
+                        "ok, " if result.ok else "FAILED, ", result.detail)
+            self.last = result
+            return result
+
+    def invalidate(self, detail: str) -> ProbeResult:
+        """Forget a success (Triton went away); returns the failed result now cached."""
+        self.last = ProbeResult(False, detail, self.clock())
+        return self.last
+
+    async def result(self) -> ProbeResult:
+        """The cached result while it is fresh, else a new probe."""
+        last = self.last
+        return last if self._fresh(last) else await self.refresh()
+
+    async def run(self) -> None:
+        """Refresh every ``interval_s`` (every ``RETRY_S`` while failing) until cancelled."""
+        while True:
+            result = await self.refresh()
+            await asyncio.sleep(self.interval_s if result.ok else max(RETRY_S, self.interval_s / 10))

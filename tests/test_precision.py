@@ -1,0 +1,98 @@
+"""Runtime and precision choice: OpenVINO bf16 only where the CPU has it and the accuracy check accepts
+it, f32 otherwise; the check refuses a precision that changes the faces (export/precision.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import export.precision as precision
+import facecore.openvino_runtime as ov_runtime
+from export.defaults import DefaultModels
+from export.repository import served_detector
+from facecore.openvino_runtime import Precision, usable_precision
+from facecore.runtimes import Runtime, RuntimeChoice
+
+
+@pytest.fixture(scope="module")
+def reference(default_models: DefaultModels, photos: dict[str, Path]) -> precision.Reference:
+    images = precision.check_images({k: v for k, v in photos.items() if k in ("t1.jpg", "obama.jpg")})
+    m = default_models
+    return precision.Reference.build(m.detector, m.detector_file, m.embedder, m.embedder_file, images)
+
+
+def test_auto_is_bf16_only_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ov_runtime, "bf16_supported", lambda: False)
+    assert precision._wanted("auto") == ["f32"]
+    assert usable_precision(Precision.BF16) is Precision.F32  # a repository exported elsewhere
+    monkeypatch.setattr(ov_runtime, "bf16_supported", lambda: True)
+    assert precision._wanted("auto") == ["bf16", "f32"]
+    assert usable_precision(Precision.BF16) is Precision.BF16
+    assert precision._wanted("f32") == ["f32"] and precision._wanted("bf16") == ["bf16", "f32"]
+    with pytest.raises(ValueError, match="auto, f32 or bf16"):
+        precision._wanted("fp8")
+
+
+def test_openvino_f32_and_the_uint8_detector_pass(reference: precision.Reference,
+                                                  default_models: DefaultModels, tmp_path: Path) -> None:
+    served = served_detector(default_models.detector, default_models.detector_file, tmp_path / "u8.onnx")
+    choice = RuntimeChoice(Runtime.OPENVINO, "f32", 2)
+    detector = precision.check_detector(reference, served, tmp_path / "u8.onnx", choice)
+    assert detector.passed and detector.faces == 21 and detector.worst_cosine > 0.9999, detector
+    embedder = precision.check_embedder(reference, choice)
+    assert embedder.passed and embedder.worst_cosine > 0.9999, embedder
+
+
+def test_a_precision_that_moves_embeddings_is_refused(reference: precision.Reference,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate that perturbs embeddings as a bad precision would: refused, and f32 is used instead."""
+    real = precision.embedder
+
+    def perturbed(spec, path, choice):  # type: ignore[no-untyped-def]
+        run = real(spec, path, choice)
+        if choice.precision == "f32":
+            return run
+        noise = np.random.default_rng(0).standard_normal((1, spec.embedding_dim)).astype(np.float32)
+        return lambda batch: run(batch) + 3.0 * noise * np.linalg.norm(run(batch), axis=1, keepdims=True) / 11
+
+    monkeypatch.setattr(precision, "embedder", perturbed)
+    chosen, checks = precision.first_passing(["bf16", "f32"],
+                                             lambda c: precision.check_embedder(reference, c),
+                                             RuntimeChoice(Runtime.OPENVINO, "f32", 2))
+    assert chosen == "f32"
+    assert [c.passed for c in checks] == [False, True]
+    assert "cosine" in checks[0].reason and checks[0].worst_cosine < precision.EMBEDDER_COSINE
+
+
+def test_pipeline_comparison_names_what_changed(reference: precision.Reference) -> None:
+    from dataclasses import replace
+
+    faces = reference.faces
+    choice = RuntimeChoice(Runtime.OPENVINO, "bf16")
+    same = precision.compare_pipelines(faces, faces, 0.363, "detector", choice)
+    assert same.passed and same.worst_iou == pytest.approx(1.0)
+    moved = [replace(f, boxes=f.boxes + np.array([0, 0, 30, 30], np.float32)) for f in faces]
+    assert "box IoU" in precision.compare_pipelines(faces, moved, 0.363, "detector", choice).reason
+    fewer = [replace(f, boxes=f.boxes[:0], scores=f.scores[:0], embeddings=f.embeddings[:0]) for f in faces]
+    result = precision.compare_pipelines(faces, fewer, 0.363, "detector", choice)
+    assert not result.passed and "other faces found" in result.reason
+
+
+def test_no_precision_passing_stops_the_export(reference: precision.Reference) -> None:
+    def failing(choice: RuntimeChoice) -> precision.PrecisionCheck:
+        return precision.PrecisionCheck("embedder", "openvino", choice.precision, False, 1, 0.5,
+                                        reason="cosine")
+
+    with pytest.raises(RuntimeError, match="no precision passed"):
+        precision.first_passing(["bf16", "f32"], failing, RuntimeChoice())
+
+
+def test_check_images_include_the_served_reduced_decode(photos: dict[str, Path]) -> None:
+    """Reduced JPEG decoding is part of what is served, so the check sees those pixels too: that is where
+    bf16 moved a face of t1.jpg enough to flip which face is the largest."""
+    some = {k: v for k, v in photos.items() if k in ("t1.jpg", "obama.jpg")}
+    plain, served = precision.check_images(some), precision.check_images(some, decode_min_side=640)
+    assert len(plain) == 6 and len(served) == 7  # t1.jpg (1280 wide) is decoded at 1/2: one image more
+    assert served[-1].shape == (443, 640, 3)

@@ -1,0 +1,128 @@
+"""``service.readiness`` and ``/health/ready``: a pipeline whose models are loaded but which cannot
+recognize a face is not ready; the probe's result is cached, and a failure is re-checked quickly."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from export.defaults import DefaultModels
+from facecore.client import PipelineError
+from facecore.contract import Faces
+from facecore.spec import ModelSpec
+from service import readiness
+from service.launcher import TritonServer
+from service.readiness import RETRY_S, RecognitionCheck
+from tests.test_probe import faces
+
+if TYPE_CHECKING:
+    from tests.api_fixtures import StartApi
+
+pytest_plugins = ["tests.api_fixtures"]
+
+
+class FakePipeline:
+    """An ``AsyncPipeline`` that counts its calls and can be broken or slowed down."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec, self.calls, self.broken, self.delay = spec, 0, False, 0.0
+
+    async def infer(self, image: bytes, **_: Any) -> Faces:
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        if self.broken:
+            raise PipelineError("face_pipeline: face_embedder failed", "StatusCode.INTERNAL")
+        return faces(1, self.spec.embedding_dim)
+
+    async def embedder(self) -> ModelSpec:
+        return self.spec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake(default_models: DefaultModels) -> FakePipeline:
+    return FakePipeline(default_models.embedder)
+
+
+def test_success_is_cached_for_the_interval(fake: FakePipeline) -> None:
+    clock = Clock()
+    check = RecognitionCheck(fake, b"jpeg", interval_s=30, clock=clock)
+
+    async def scenario() -> list[bool]:
+        seen = [(await check.result()).ok]
+        clock.now += 29
+        seen.append((await check.result()).ok)
+        assert fake.calls == 1, "a fresh success is reused"
+        fake.broken = True
+        clock.now += 2
+        seen.append((await check.result()).ok)
+        return seen
+
+    assert asyncio.run(scenario()) == [True, True, False]
+    assert fake.calls == 2
+    assert "face_embedder failed" in check.last.detail
+
+
+def test_failure_is_rechecked_after_a_second(fake: FakePipeline) -> None:
+    clock = Clock()
+    check = RecognitionCheck(fake, b"jpeg", interval_s=30, clock=clock)
+    fake.broken = True
+
+    async def scenario() -> list[bool]:
+        seen = [(await check.result()).ok]
+        clock.now += RETRY_S / 2
+        seen.append((await check.result()).ok)
+        fake.broken = False
+        clock.now += RETRY_S
+        seen.append((await check.result()).ok)
+        return seen
+
+    assert asyncio.run(scenario()) == [False, False, True]
+    assert fake.calls == 2
+
+
+def test_concurrent_readiness_requests_share_one_probe(fake: FakePipeline) -> None:
+    fake.delay = 0.2
+    check = RecognitionCheck(fake, b"jpeg", interval_s=30)
+
+    async def scenario() -> list[bool]:
+        return [r.ok for r in await asyncio.gather(*(check.result() for _ in range(5)))]
+
+    assert asyncio.run(scenario()) == [True] * 5
+    assert fake.calls == 1
+
+
+def test_a_hanging_pipeline_is_not_ready(fake: FakePipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(readiness, "PROBE_TIMEOUT_S", 0.05)
+    fake.delay = 5.0
+    result = asyncio.run(RecognitionCheck(fake, b"jpeg", interval_s=30).refresh())
+    assert not result.ok and "no answer to the probe within 0.05 s" in result.detail
+
+
+@pytest.mark.triton
+def test_gateway_is_not_ready_when_recognition_fails(broken_triton: TritonServer,
+                                                     start_api: StartApi) -> None:
+    api = start_api(triton_url=broken_triton.grpc_url)
+    response = api.client.get("/health/ready")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["checks"] == {"triton": True, "recognition": False, "database": True, "gallery": True}
+    assert "face_embedder" in body["details"]["recognition"]
+
+
+@pytest.mark.triton
+def test_gateway_probes_at_start_up(start_api: StartApi, cpu_repository: Path) -> None:
+    api = start_api()
+    check: RecognitionCheck = api.app.state.recognition
+    assert check.last.ok and check.last.detail == "1 face, 128-d embedding", "probed before the first request"
+    assert api.ok(api.client.get("/health/ready"))["ready"] is True
