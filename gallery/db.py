@@ -7,7 +7,10 @@ reads ``seq > last_seen`` never skips a change that commits late.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +75,7 @@ class Database:
         self.engine = engine
         self._read = sessionmaker(engine, expire_on_commit=False)
         self._write = sessionmaker(engine.execution_options(write=True), expire_on_commit=False)
+        self._local_lock = threading.RLock()
 
     @property
     def is_postgres(self) -> bool:
@@ -88,6 +92,28 @@ class Database:
             if self.is_postgres:
                 session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": CHANGE_LOG_LOCK})
             yield session
+
+    @contextmanager
+    def exclusive(self, key: int) -> Iterator[None]:
+        """One holder at a time across processes: a transaction-scoped advisory lock on PostgreSQL, an
+        flock on ``<database file>.<key>.lock`` beside a SQLite file (in-memory SQLite: this process)."""
+        if self.is_postgres:
+            with self._read() as session, session.begin():
+                session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+                yield
+            return
+        database = self.engine.url.database
+        if not database or database == ":memory:":
+            with self._local_lock:
+                yield
+            return
+        fd = os.open(f"{database}.{key:x}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            with self._local_lock:  # flock does not exclude threads sharing the process
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+        finally:
+            os.close(fd)
 
     def ping(self) -> bool:
         try:

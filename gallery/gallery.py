@@ -1,10 +1,11 @@
-"""The gallery: the database (truth) plus one FAISS index per collection (a cache that follows it).
+"""The gallery: the database (truth) plus one index per collection in an engine (a copy that follows it).
 
 Indexes follow the change log: ``sync()`` replays every ``face_changes`` row newer than the last one
 applied. Writers call it right after their commit; replicas in other processes call it from a
-follower thread. Snapshots store an index with the log position it includes, so a restart loads the
-snapshot and replays only what is newer. Replay is idempotent, so a crash at any moment (before or
-after a commit, during a snapshot) converges to the database.
+follower thread. Persisted indexes (FAISS snapshots, or the Milvus collections with the position
+recorded in Milvus) include a log position, so a restart replays only what is newer. Replay is
+idempotent, so a crash at any moment (before or after a commit, during a snapshot) converges to the
+database. The engine (``gallery/engines.py``) is FAISS in this process or a shared Milvus server.
 """
 
 from __future__ import annotations
@@ -13,18 +14,25 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Set as AbstractSet
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from gallery.batching import SearchBatcher
 from gallery.embeddings import validate_embeddings
-from gallery.index import FaceIndex, IndexConfig
+from gallery.engines import CollectionIndex, Engine, FaissEngine
+from gallery.index import IndexConfig
 from gallery.models import ChangeOp
 from gallery.store import Change, CollectionInfo, GalleryStore, check_model
 
 log = logging.getLogger(__name__)
+
+#: Names the database lock under which one process at a time applies the log to a shared engine.
+ENGINE_LOCK = 0x6661636574
 
 
 @dataclass(frozen=True)
@@ -53,25 +61,30 @@ class SearchResult:
 @dataclass
 class _Collection:
     info: CollectionInfo
-    index: FaceIndex
-    identity_of: dict[int, int]  # face id -> identity id
+    index: CollectionIndex
 
 
 class Gallery:
-    """Thread-safe: one lock guards the indexes; the database does its own locking."""
+    """Thread-safe: one lock guards the indexes; the database does its own locking.
+
+    ``engine`` holds the vectors (default: FAISS in this process, with snapshots in ``snapshot_dir``);
+    ``batcher`` gathers concurrent searches of one collection into one engine call.
+    """
 
     def __init__(self, store: GalleryStore, snapshot_dir: Path | None = None,
-                 config: IndexConfig | None = None, force_tombstones: bool = False) -> None:
+                 config: IndexConfig | None = None, force_tombstones: bool = False,
+                 engine: Engine | None = None, batcher: SearchBatcher | None = None) -> None:
         self.store = store
         self.snapshot_dir = snapshot_dir
         self.config = config or IndexConfig()
-        self._force_tombstones = force_tombstones
+        self.engine: Engine = engine or FaissEngine(snapshot_dir, self.config, force_tombstones)
+        self.batcher = batcher or SearchBatcher()
         self._collections: dict[int, _Collection] = {}
         self._applied = 0
         self._lock = threading.RLock()
         self._follower: threading.Thread | None = None
         self._stop = threading.Event()
-        self._erased: set[str] = set()  # collections with removals not yet in a snapshot
+        self._erased: set[str] = set()  # collections with removals not yet persisted
         self.loaded = False
 
     # --- loading, replay, snapshots -----------------------------------------------------------
@@ -80,52 +93,45 @@ class Gallery:
     def applied_seq(self) -> int:
         return self._applied
 
+    def _exclusive(self) -> AbstractContextManager[object]:
+        """A shared engine is changed by one process at a time (a lock in the database)."""
+        return self.store.db.exclusive(ENGINE_LOCK) if self.engine.shared else nullcontext()
+
     def load(self) -> None:
-        """Snapshots where valid, else a rebuild from the database; then replay the newer changes."""
-        with self._lock:
+        """Persisted indexes where valid, else a rebuild from the database; then the newer changes."""
+        with self._lock, self._exclusive():
             start = self.store.last_seq()
             self._collections.clear()
             floor = start
             for info in self.store.list_collections():
-                entry, seq = self._load_snapshot(info) or (self._build(info), start)
+                entry, seq = self._open(info, start) or (self._build(info), start)
                 self._collections[info.id] = entry
                 floor = min(floor, seq)
             self._applied = floor
             self.sync()
             self.loaded = True
 
-    def _snapshot_path(self, info: CollectionInfo) -> Path | None:
-        return None if self.snapshot_dir is None else self.snapshot_dir / f"collection-{info.id}.faiss"
+    def _open(self, info: CollectionInfo, last: int) -> tuple[_Collection, int] | None:
+        def faces() -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+            return self.store.collection_identities(info.id)
 
-    def _load_snapshot(self, info: CollectionInfo) -> tuple[_Collection, int] | None:
-        path = self._snapshot_path(info)
-        if path is None or not path.exists():
+        opened = self.engine.open(info, faces)
+        if opened is None:
             return None
-        try:
-            index, meta = FaceIndex.load(path, self.config, self._force_tombstones)
-            seq = int(meta["seq"])
-            if seq > self.store.last_seq():
-                raise ValueError(f"snapshot is at change {seq}, the database only at {self.store.last_seq()} "
-                                 "(restored from an older backup?)")
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:  # malformed metadata too
-            log.warning("ignoring snapshot %s: %r", path, exc)
+        index, seq = opened
+        if seq > last:
+            log.warning("ignoring the persisted index of %s: it is at change %d, the database only at %d "
+                        "(restored from an older backup?)", info.name, seq, last)
             return None
-        if meta.get("embedding_model") != info.embedding_model or index.dimension != info.dimension:
-            log.warning("ignoring snapshot %s: made for another model", path)
-            return None
-        ids, identities, _ = self.store.collection_vectors(info.id, info.dimension)
-        mapping = dict(zip(ids.tolist(), identities.tolist(), strict=True))
-        return _Collection(info, index, mapping), seq
+        return _Collection(info, index), seq
 
     def _build(self, info: CollectionInfo) -> _Collection:
         ids, identities, vectors = self.store.collection_vectors(info.id, info.dimension)
-        index = FaceIndex.build(info.dimension, ids, vectors, self.config, self._force_tombstones, identities,
-                                info.match_threshold)
-        return _Collection(info, index, dict(zip(ids.tolist(), identities.tolist(), strict=True)))
+        return _Collection(info, self.engine.build(info, ids, identities, vectors))
 
     def rebuild(self, collection: str | None = None) -> None:
         """Recreate indexes from the database (all collections, or one)."""
-        with self._lock:
+        with self._lock, self._exclusive():
             seq = self.store.last_seq()
             kept = set(self._collections)  # indexes not rebuilt here still need every change after _applied
             for info in self.store.list_collections():
@@ -135,62 +141,66 @@ class Gallery:
             self._applied = min(self._applied, seq) if self.loaded or kept else seq
             self.sync()
 
-    def snapshot(self, collection: str | None = None) -> list[Path]:
+    def snapshot(self, collection: str | None = None, erased: bool = False) -> list[Path]:
         """Persist indexes (all, or one collection's) with the change-log position they include.
 
         Erased vectors never reach the disk: a tombstoned index is rebuilt from the database first,
-        and snapshot files of deleted collections are removed.
+        and what the engine stored of deleted collections is removed.
         """
-        if self.snapshot_dir is None:
-            return []
-        written = []
+        written: list[str] = []
         with self._lock:
             self.sync()
-            for entry in list(self._collections.values()):
-                if collection is not None and entry.info.name != collection:
-                    continue
-                if entry.index.has_tombstones:
-                    entry = self._collections[entry.info.id] = self._build(entry.info)
-                path = self.snapshot_dir / f"collection-{entry.info.id}.faiss"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                entry.index.save(path, self._applied, {"embedding_model": entry.info.embedding_model})
-                written.append(path)
-            live = {f"collection-{info.id}" for info in self.store.list_collections()}
-            for stale in self.snapshot_dir.glob("collection-*"):
-                if stale.name.split(".")[0] not in live and stale.suffix in (".faiss", ".json", ".lock"):
-                    stale.unlink(missing_ok=True)
-        return written
+            with self._exclusive():
+                for entry in list(self._collections.values()):
+                    if collection is not None and entry.info.name != collection:
+                        continue
+                    if entry.index.has_tombstones:
+                        entry = self._collections[entry.info.id] = self._build(entry.info)
+                    written += self.engine.persist(entry.index, entry.info, self._applied, erased)
+                self.engine.prune({info.id for info in self.store.list_collections()})
+        return [Path(p) for p in written]
 
     def snapshot_erasures(self) -> list[Path]:
-        """Rewrite the snapshots of collections that lost faces since their last snapshot, so that
-        erased vectors do not stay on disk (the gateway calls this a few seconds after deletions)."""
+        """Persist the collections that lost faces since they were last persisted, so that erased
+        vectors do not stay in storage (the gateway calls this a few seconds after deletions)."""
         with self._lock:
             self.sync()
             pending, self._erased = self._erased, set()
-        # "" (a dropped collection) matches no index: snapshot("") only removes stale files.
-        return [path for name in sorted(pending) for path in self.snapshot(name)]
+        # "" (a dropped collection) matches no index: snapshot("") only prunes.
+        return [path for name in sorted(pending) for path in self.snapshot(name, erased=True)]
 
     def sync(self) -> int:
-        """Apply every logged change newer than the last applied one; returns how many."""
+        """Apply every logged change newer than the last applied one; returns how many.
+
+        A shared engine records its own position: changes another process already applied to it are
+        only noted here (a dropped collection forgotten), not applied again."""
         applied = 0
-        with self._lock:
-            while changes := self.store.changes_since(self._applied):
-                self._apply(changes)
-                self._applied = changes[-1].seq
+        with self._lock, self._exclusive():
+            engine_at = self.engine.position() if self.engine.shared else None
+            start = self._applied if engine_at is None else min(self._applied, engine_at)
+            while changes := self.store.changes_since(start):
+                self._apply(changes, self._applied if engine_at is None else engine_at)
+                start = self._applied = changes[-1].seq
+                engine_at = None if engine_at is None else max(engine_at, start)
                 applied += len(changes)
+            if self.engine.shared and applied:
+                self.engine.record(self._applied)
             for entry in list(self._collections.values()):
-                if entry.index.needs_compaction:
+                if entry.index.stale:
                     self._collections[entry.info.id] = self._build(entry.info)
         return applied
 
-    def _apply(self, changes: list[Change]) -> None:
+    def _apply(self, changes: list[Change], engine_at: int) -> None:
+        """Apply ``changes`` in order; those at or below ``engine_at`` are already in the engine."""
         by_collection: dict[int, list[Change]] = defaultdict(list)
         for change in changes:
             if change.op is ChangeOp.DROP:
                 self._collections.pop(change.collection_id, None)
-                self._erased.add("")  # snapshot("") removes the dropped collection's files
+                if change.seq > engine_at:
+                    self.engine.forget(change.collection_id)
+                self._erased.add("")  # snapshot("") prunes the dropped collection's files
                 by_collection.pop(change.collection_id, None)
-            else:
+            elif change.seq > engine_at:
                 by_collection[change.collection_id].append(change)
         for collection_id, items in by_collection.items():
             entry = self._collections.get(collection_id)
@@ -200,11 +210,10 @@ class Gallery:
             vectors = self.store.vectors(added, entry.info.dimension) if added else {}
             for change in items:  # in seq order: an add then a remove of the same face ends removed
                 if change.op is ChangeOp.ADD and change.face_id in vectors:
-                    entry.index.add(np.array([change.face_id]), vectors[change.face_id][None])
-                    entry.identity_of[change.face_id] = change.identity_id
+                    entry.index.add(np.array([change.face_id]), np.array([change.identity_id]),
+                                    vectors[change.face_id][None])
                 elif change.op is ChangeOp.REMOVE:
                     entry.index.remove(np.array([change.face_id]))
-                    entry.identity_of.pop(change.face_id, None)
                     self._erased.add(entry.info.name)
 
     # --- followers (replicas in other processes) ---------------------------------------------
@@ -240,9 +249,11 @@ class Gallery:
                     return entry
         info = self.store.get_collection(collection)  # raises NotFound
         self.sync()
-        with self._lock:
+        with self._lock, self._exclusive():
             if info.id not in self._collections:
-                self._collections[info.id] = self._build(info)
+                last = self.store.last_seq()
+                opened = self._open(info, last) if self.engine.shared else None  # built by another process
+                self._collections[info.id] = opened[0] if opened else self._build(info)
             return self._collections[info.id]
 
     def sizes(self) -> dict[str, int]:
@@ -254,7 +265,11 @@ class Gallery:
         return len(self._entry(collection).index)
 
     def face_ids(self, collection: str) -> set[int]:
-        return self._entry(collection).index.ids
+        return self._entry(collection).index.face_ids()
+
+    def face_identities(self, collection: str) -> dict[int, int]:
+        """face id -> identity id as the index holds them."""
+        return self._entry(collection).index.identities()
 
     def cached_info(self, collection: str) -> CollectionInfo | None:
         """The collection as this gallery holds it, without touching the database or the lock
@@ -271,7 +286,8 @@ class Gallery:
                ) -> list[SearchResult]:
         """Top-k identities (best face each) per query, with the match decision at ``threshold``
         (default: the collection's). With ``embedding_model``, queries of another model are refused.
-        Faces whose ids are in ``exclude`` are left out (search by a stored face)."""
+        Faces whose ids are in ``exclude`` are left out (search by a stored face). Concurrent calls on
+        one collection are searched together (``batcher``)."""
         if k < 1:
             raise ValueError("k must be >= 1")
         entry = self._entry(collection)
@@ -279,29 +295,39 @@ class Gallery:
         if embedding_model is not None:
             check_model(info, embedding_model)
         matrix = validate_embeddings(queries, info.dimension)
-        with self._lock:
-            best = [self._best_identities(entry, query, k, exclude) for query in matrix]
+        fetch = max(4 * k, 32) + len(exclude)
+
+        def search(batch: NDArray[np.float32], depth: int) -> tuple[NDArray[Any], ...]:
+            with self._lock:
+                return entry.index.search(batch, depth)
+
+        first = self.batcher.search(info.id, matrix, fetch, search)
+        best = [self._best_identities(entry, query, k, exclude, [a[row:row + 1] for a in first])
+                for row, query in enumerate(matrix)]
         labels = self.store.identity_labels(i for row in best for i, _, _ in row)
         limit = info.match_threshold if threshold is None else float(threshold)
         return [SearchResult([Candidate(i, *labels.get(i, ("", "")), score=s, face_id=f) for i, s, f in row
                               if i in labels], limit) for row in best]
 
     def _best_identities(self, entry: _Collection, query: NDArray[np.float32], k: int,
-                         exclude: AbstractSet[int] = frozenset()) -> list[tuple[int, float, int]]:
+                         exclude: AbstractSet[int], first: list[NDArray[Any]]
+                         ) -> list[tuple[int, float, int]]:
         """Exact per-identity aggregation: widen the face search until k identities are certain."""
         total = len(entry.index)
-        fetch = min(total, max(4 * k, 32) + len(exclude))
+        fetch = first[1].shape[1]
+        scores, ids, owners = first
         while True:
-            scores, ids = entry.index.search(query[None], fetch)
             best: dict[int, tuple[float, int]] = {}
-            for score, face_id in zip(scores[0].tolist(), ids[0].tolist(), strict=True):
-                identity = entry.identity_of.get(face_id)
-                if face_id >= 0 and identity is not None and identity not in best and face_id not in exclude:
+            for score, face_id, identity in zip(scores[0].tolist(), ids[0].tolist(), owners[0].tolist(),
+                                                strict=True):
+                if face_id >= 0 and identity >= 0 and identity not in best and face_id not in exclude:
                     best[identity] = (score, face_id)
             if len(best) >= k or fetch >= total:
                 ranked = sorted(best.items(), key=lambda item: (-item[1][0], item[0]))[:k]
                 return [(identity, score, face) for identity, (score, face) in ranked]
             fetch = min(total, fetch * 4)
+            with self._lock:
+                scores, ids, owners = entry.index.search(query[None], fetch)
 
     def require_model(self, collection: str, embedding_model: str) -> CollectionInfo:
         info = self.collection_info(collection)

@@ -339,6 +339,13 @@ class GalleryStore:
         matrix = np.frombuffer(b"".join(r[2] for r in rows), dtype="<f4").reshape(len(rows), dimension)
         return ids, identities, matrix.astype(np.float32)
 
+    def collection_identities(self, collection_id: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Face ids and identity ids of a whole collection (no vectors)."""
+        with self.db.read() as session:
+            rows = session.execute(select(Face.id, Face.identity_id)
+                                   .where(Face.collection_id == collection_id).order_by(Face.id)).all()
+        return np.array([r[0] for r in rows], np.int64), np.array([r[1] for r in rows], np.int64)
+
     def identity_labels(self, identity_ids: Iterable[int]) -> dict[int, tuple[str, str]]:
         """(external_id, name) by identity id."""
         wanted = sorted(set(identity_ids))

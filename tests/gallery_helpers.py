@@ -91,7 +91,7 @@ def assert_gallery_matches_db(gallery: Gallery, engine: Engine, collection: str,
     held = gallery.face_ids(collection)
     assert held == set(expected), (f"index lacks faces {sorted(set(expected) - held)}, "
                                    f"holds deleted faces {sorted(held - set(expected))}")
-    mapping = gallery._entry(collection).identity_of
+    mapping = gallery.face_identities(collection)
     assert mapping == expected, {f: (mapping.get(f), expected.get(f)) for f in set(mapping) | set(expected)
                                  if mapping.get(f) != expected.get(f)}
     if not expected:

@@ -247,7 +247,7 @@ def test_tombstones_equal_remove_ids_and_compact(store: GalleryStore, engine: En
     tomb = Gallery(store, force_tombstones=True)
     plain.load()
     tomb.load()
-    assert not plain._entry("c").index._tombstoning and tomb._entry("c").index._tombstoning
+    assert not plain._entry("c").index.index._tombstoning and tomb._entry("c").index.index._tombstoning
 
     saw_tombstones = compactions = 0
     next_identity = 40
@@ -264,10 +264,10 @@ def test_tombstones_equal_remove_ids_and_compact(store: GalleryStore, engine: En
         if rng.random() < 0.5:
             enrolled.add(store, "c", f"p{next_identity}", unit_vectors(rng, 2, DIM))
             next_identity += 1
-        before = tomb._entry("c").index
+        before = tomb._entry("c").index.index
         plain.sync()
         tomb.sync()
-        after = tomb._entry("c").index
+        after = tomb._entry("c").index.index
         compactions += after is not before
         saw_tombstones += bool(after._tombstones)
         assert len(after._tombstones) <= after.config.compact_fraction * max(len(after), 1)
@@ -471,7 +471,7 @@ def test_gallery_snapshot_round_trip(store: GalleryStore, engine: Engine, tmp_pa
     config = IndexConfig(exact_max=10_000) if kind == "flat" else approximate(kind, 300)
     first = Gallery(store, tmp_path, config)
     first.load()
-    assert first._entry("s").index.kind is IndexKind(kind)
+    assert first._entry("s").index.index.kind is IndexKind(kind)
     stored = store.collection_vectors(store.get_collection("s").id, dimension)[2]
     queries = np.concatenate([unit_vectors(rng, 20, dimension), genuine_probes(stored, 40, seed=4)])
     before = first.search("s", queries, k=5)
@@ -484,7 +484,7 @@ def test_gallery_snapshot_round_trip(store: GalleryStore, engine: Engine, tmp_pa
     with monkeypatch.context() as patch:
         patch.setattr(Gallery, "_build", no_rebuild)
         second.load()
-    assert second._entry("s").index.kind is IndexKind(kind)
+    assert second._entry("s").index.index.kind is IndexKind(kind)
     assert second.applied_seq == first.applied_seq == store.last_seq()
     assert same_results(second.search("s", queries, k=5), before)
 

@@ -1,0 +1,106 @@
+"""Searches that arrive together are made together: one engine call for concurrent requests.
+
+Like Triton's dynamic batcher: requests for one key (a collection) queue up; the first one to find the
+key idle becomes the *leader*, waits ``window_s`` (0, the default as in Triton: take whatever is queued
+now) and runs one search for every queued query, with the largest k asked; each request gets its own
+rows back, cut to its own k. Requests that arrive while that search runs queue for the next one, whose
+leader is the first of them. So a lone request pays nothing, and under load each engine call serves
+many requests: the scan of a million vectors is shared instead of repeated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+Arrays = tuple[NDArray[Any], ...]
+#: search(queries [n, d], k) -> arrays whose first axis is the query and second the rank
+Search = Callable[[NDArray[np.float32], int], Arrays]
+
+
+@dataclass
+class _Request:
+    queries: NDArray[np.float32]
+    k: int
+    result: Arrays | None = None
+    error: BaseException | None = None
+    done: bool = False
+    lead: bool = False
+
+
+@dataclass
+class _Queue:
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    waiting: list[_Request] = field(default_factory=list)
+    busy: bool = False
+
+
+class SearchBatcher:
+    def __init__(self, window_s: float = 0.0, max_queries: int = 512) -> None:
+        if window_s < 0 or max_queries < 1:
+            raise ValueError("the batching window must be >= 0 and max_queries >= 1")
+        self.window_s, self.max_queries = window_s, max_queries
+        self._queues: dict[Hashable, _Queue] = {}
+        self._lock = threading.Lock()
+        #: engine calls made and queries they carried (for metrics and tests)
+        self.calls = 0
+        self.queries = 0
+
+    def search(self, key: Hashable, queries: NDArray[np.float32], k: int, search: Search) -> Arrays:
+        with self._lock:
+            queue = self._queues.setdefault(key, _Queue())
+        request = _Request(queries, k)
+        with queue.cond:
+            queue.waiting.append(request)
+            if queue.busy:
+                queue.cond.wait_for(lambda: request.done or request.lead)
+            else:
+                queue.busy = request.lead = True
+        if not request.done:
+            self._lead(queue, search)
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None  # set with done (not input validation)
+        return request.result
+
+    def _take(self, queue: _Queue) -> list[_Request]:
+        """The leader (first waiting) and those behind it, up to ``max_queries`` queries in all."""
+        taken: list[_Request] = []
+        total = 0
+        with queue.cond:
+            while queue.waiting and (not taken or total + len(queue.waiting[0].queries) <= self.max_queries):
+                taken.append(queue.waiting.pop(0))
+                total += len(taken[-1].queries)
+        return taken
+
+    def _lead(self, queue: _Queue, search: Search) -> None:
+        if self.window_s:
+            time.sleep(self.window_s)
+        batch = self._take(queue)
+        try:
+            k = max(r.k for r in batch)
+            arrays = search(np.concatenate([r.queries for r in batch]), k)
+            start = 0
+            for r in batch:
+                stop = start + len(r.queries)
+                r.result = tuple(a[start:stop, : r.k] for a in arrays)
+                start = stop
+        except BaseException as exc:  # every request of the batch gets the engine's error
+            for r in batch:
+                r.error = exc
+        with queue.cond:
+            self.calls += 1
+            self.queries += sum(len(r.queries) for r in batch)
+            for r in batch:
+                r.done = True
+            if queue.waiting:
+                queue.waiting[0].lead = True  # the next batch is led by the first that waited
+            else:
+                queue.busy = False
+            queue.cond.notify_all()
