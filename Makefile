@@ -24,7 +24,7 @@ $(VENV)/.runtime: pyproject.toml | $(PY)
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.runtime
-	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,cpu,dev,export,bench]'
+	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,cpu,dev,export,bench,milvus]'
 	$(PY) -m pip install --quiet --no-deps '$(COMPREFACE_SDK)'
 	touch $@
 

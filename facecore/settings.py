@@ -13,7 +13,7 @@ by hand (a Kubernetes Secret can hold the password alone), it is built from ``FA
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,11 +38,27 @@ class DatabaseSettings(BaseModel):
                      "and the other FACEREC_DB_* parts when those are set")
 
 
+class MilvusSettings(BaseModel):
+    uri: str = Field("", description="Milvus address, e.g. http://milvus:19530 (the milvus backend needs it)")
+    token: SecretStr | None = Field(None, description="Milvus credentials (user:password or an API key)")
+    prefix: str = Field("facerec", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,100}$",
+                        description="prefix of this deployment's Milvus collection names")
+    index_type: str = Field("FLAT", description="Milvus index type (FLAT: exact; HNSW, IVF_SQ8, DISKANN ...)")
+    index_params: dict[str, Any] = Field(default_factory=dict, description="Milvus index build parameters")
+    search_params: dict[str, Any] = Field(default_factory=dict, description="Milvus search parameters")
+
+
 class GallerySettings(BaseModel):
+    backend: Literal["faiss", "milvus"] = Field("faiss", description="faiss: an index in every gateway's "
+                                                "memory; milvus: a shared Milvus server (no index in memory)")
+    milvus: MilvusSettings = MilvusSettings()
     snapshot_dir: Path | None = Field(ROOT / "data" / "index",
                                       description="FAISS snapshots (none: no snapshots)")
     follow_interval_s: float = Field(0.2, gt=0, description="change-log polling period (replicas)")
-    exact_max: int = Field(200_000, ge=0, description="faces above which an IVF index is tried")
+    exact_max: int = Field(200_000, ge=0, description="faces above which approximate indexes are measured "
+                           "(PQ fast-scan or SQ8 + exact re-rank, IVF); one is kept if it meets the targets")
+    batch_window_ms: float = Field(0.0, ge=0, le=100, description="how long a search waits for concurrent "
+                                   "ones to share its engine call (0: only those already queued)")
     snapshot_interval_s: float = Field(300.0, gt=0, description="how often indexes are snapshotted")
     erasure_snapshot_delay_s: float = Field(5.0, gt=0, description="after deletions, snapshots are rewritten "
                                             "within this delay so erased vectors leave the disk")
@@ -127,6 +143,12 @@ class Settings(BaseSettings):
                          password=password, host=self.db_host,
                          port=self.db_port, database=self.db_name)
         self.database = DatabaseSettings(url=url.render_as_string(hide_password=False))
+        return self
+
+    @model_validator(mode="after")
+    def milvus_uri(self) -> Self:
+        if self.gallery.backend == "milvus" and not self.gallery.milvus.uri:
+            raise ValueError("the milvus gallery backend needs FACEREC_GALLERY__MILVUS__URI")
         return self
 
 

@@ -116,9 +116,9 @@ async def _import_rest(args: argparse.Namespace, items: list[Any], quality: Any)
 
 
 def _rebuild(args: argparse.Namespace) -> int:
-    from gallery.gallery import Gallery
+    from gallery.gallery import open_gallery
 
-    gallery = Gallery(open_store(args.database_url), args.snapshot_dir)
+    gallery = open_gallery(open_store(args.database_url), args.settings, args.snapshot_dir)
     gallery.rebuild(args.collection)
     for path in gallery.snapshot():
         print(path)
@@ -126,9 +126,9 @@ def _rebuild(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from gallery.gallery import Gallery
+    from gallery.gallery import open_gallery
 
-    gallery = Gallery(open_store(args.database_url), args.snapshot_dir)
+    gallery = open_gallery(open_store(args.database_url), args.settings, args.snapshot_dir)
     gallery.load()
     for info in gallery.store.list_collections():
         print(f"{info.name}\t{info.embedding_model}\t{info.dimension}-d\t{gallery.size(info.name)} faces")

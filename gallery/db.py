@@ -75,7 +75,8 @@ class Database:
         self.engine = engine
         self._read = sessionmaker(engine, expire_on_commit=False)
         self._write = sessionmaker(engine.execution_options(write=True), expire_on_commit=False)
-        self._local_lock = threading.RLock()
+        self._local_lock = threading.RLock()  # threads of this process; flock does not exclude them
+        self._holding: dict[int, int] = {}  # exclusive() depth per key (only the holding thread is inside)
 
     @property
     def is_postgres(self) -> bool:
@@ -95,8 +96,23 @@ class Database:
 
     @contextmanager
     def exclusive(self, key: int) -> Iterator[None]:
-        """One holder at a time across processes: a transaction-scoped advisory lock on PostgreSQL, an
-        flock on ``<database file>.<key>.lock`` beside a SQLite file (in-memory SQLite: this process)."""
+        """One holder at a time across processes and threads: a transaction-scoped advisory lock on
+        PostgreSQL, an flock on ``<database file>.<key>.lock`` beside a SQLite file (in-memory SQLite:
+        this process only). Re-entrant: a thread that holds it passes through."""
+        with self._local_lock:
+            held = self._holding.get(key, 0)
+            self._holding[key] = held + 1
+            try:
+                if held:
+                    yield
+                else:
+                    with self._cross_process(key):
+                        yield
+            finally:
+                self._holding[key] -= 1
+
+    @contextmanager
+    def _cross_process(self, key: int) -> Iterator[None]:
         if self.is_postgres:
             with self._read() as session, session.begin():
                 session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
@@ -104,14 +120,12 @@ class Database:
             return
         database = self.engine.url.database
         if not database or database == ":memory:":
-            with self._local_lock:
-                yield
+            yield
             return
         fd = os.open(f"{database}.{key:x}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            with self._local_lock:  # flock does not exclude threads sharing the process
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
         finally:
             os.close(fd)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -92,6 +92,19 @@ class Engine(Protocol):
         ...
 
     def record(self, seq: int) -> None: ...
+
+
+def make_engine(backend: str, snapshot_dir: Path | None, config: IndexConfig, milvus: Any = None) -> Engine:
+    """The engine the settings ask for (``milvus``: a ``facecore.settings.MilvusSettings``)."""
+    if backend == "faiss":
+        return FaissEngine(snapshot_dir, config)
+    if backend == "milvus":
+        from gallery.milvus import MilvusEngine  # pymilvus: the `milvus` extra
+
+        token = None if milvus.token is None else milvus.token.get_secret_value()
+        return MilvusEngine(milvus.uri, token, milvus.prefix, milvus.index_type, milvus.index_params,
+                            milvus.search_params)
+    raise ValueError(f"unknown gallery backend {backend!r} (faiss or milvus)")
 
 
 # --- FAISS, in this process --------------------------------------------------------------------

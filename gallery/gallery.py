@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from facecore.settings import Settings
 from gallery.batching import SearchBatcher
 from gallery.embeddings import validate_embeddings
-from gallery.engines import CollectionIndex, Engine, FaissEngine
+from gallery.engines import CollectionIndex, Engine, FaissEngine, make_engine
 from gallery.index import IndexConfig
 from gallery.models import ChangeOp
 from gallery.store import Change, CollectionInfo, GalleryStore, check_model
@@ -62,6 +63,16 @@ class SearchResult:
 class _Collection:
     info: CollectionInfo
     index: CollectionIndex
+
+
+def open_gallery(store: GalleryStore, settings: Settings, snapshot_dir: Path | None = None) -> Gallery:
+    """The gallery the settings describe: its engine (FAISS or Milvus) and its request batching
+    (``snapshot_dir`` overrides the settings' one)."""
+    config = IndexConfig(exact_max=settings.gallery.exact_max)
+    folder = snapshot_dir or settings.gallery.snapshot_dir
+    engine = make_engine(settings.gallery.backend, folder, config, settings.gallery.milvus)
+    return Gallery(store, folder, config, engine=engine,
+                   batcher=SearchBatcher(settings.gallery.batch_window_ms / 1000))
 
 
 class Gallery:
@@ -109,6 +120,8 @@ class Gallery:
                 floor = min(floor, seq)
             self._applied = floor
             self.sync()
+            if self.engine.shared:
+                self.engine.record(self._applied)  # every collection now includes the log up to here
             self.loaded = True
 
     def _open(self, info: CollectionInfo, last: int) -> tuple[_Collection, int] | None:

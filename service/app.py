@@ -23,8 +23,7 @@ from facecore.client import AsyncPipelineClient
 from facecore.probe import probe_image
 from facecore.settings import GatewaySettings
 from gallery.db import Database, create_db_engine, migrate
-from gallery.gallery import Gallery
-from gallery.index import IndexConfig
+from gallery.gallery import Gallery, open_gallery
 from gallery.store import GalleryStore
 from recognition.usecases import Recognition
 from service.admission import Admission
@@ -80,7 +79,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await asyncio.to_thread(migrate, engine)
     db = Database(engine)
     store = GalleryStore(db)
-    gallery = Gallery(store, settings.gallery.snapshot_dir, IndexConfig(exact_max=settings.gallery.exact_max))
+    gallery = await asyncio.to_thread(open_gallery, store, settings)
     await asyncio.to_thread(gallery.load)
     gallery.start_follower(settings.gallery.follow_interval_s)
     pipeline = AsyncPipelineClient(settings.triton.url, settings.triton.timeout_s)

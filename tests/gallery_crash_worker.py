@@ -1,4 +1,6 @@
-"""A gallery writer that runs until it is killed: ``python -m tests.gallery_crash_worker URL SNAPSHOTS SEED``.
+"""A gallery writer that runs until it is killed:
+``python -m tests.gallery_crash_worker URL SNAPSHOTS SEED [MILVUS_URI PREFIX]`` (with the last two its
+gallery's engine is that Milvus server, collection names starting with PREFIX).
 
 It migrates, loads the gallery (snapshots + replay), writes a first snapshot, then loops forever:
 random enrolls (new and existing identities, 1-4 faces), face deletes and identity deletes through
@@ -9,7 +11,9 @@ tests/test_gallery_consistency.py can SIGKILL it at a chosen moment.
 ``GALLERY_CRASH_PAUSE`` holds it still where a kill is otherwise hard to land: ``ddl`` stops inside
 the migration transaction right after its first CREATE TABLE of a gallery table (prints
 ``paused-in-ddl``); ``fsync:N`` stops at the N-th ``os.fsync`` (snapshots fsync the index, then the
-metadata: an even N leaves a new index next to the previous metadata) and prints ``paused-in-fsync``.
+metadata: an even N leaves a new index next to the previous metadata) and prints ``paused-in-fsync``;
+``record:N`` (Milvus) stops in the N-th recording of the applied position, after the changes were
+written to Milvus and before the position that includes them is (prints ``paused-in-record``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from sqlalchemy import Engine, event
 from gallery.db import Database, create_db_engine, migrate
 from gallery.errors import Conflict
 from gallery.gallery import Gallery
+from gallery.milvus import MilvusEngine
 from gallery.store import GalleryStore, NewFace
 
 COLLECTION = "crash"
@@ -42,6 +47,22 @@ def faces(rng: np.random.Generator, count: int, tag: str) -> list[NewFace]:
     vectors = rng.standard_normal((count, DIMENSION)).astype(np.float32)
     return [NewFace(embedding=v, image_sha256=f"{tag}-{n}".ljust(64, "0")[:64], box=[0, 0, 10, 10],
                     detection_score=0.9, crop=b"crop") for n, v in enumerate(vectors)]
+
+
+def pause_milvus(engine: MilvusEngine, pause: str) -> None:
+    if not pause.startswith("record:"):
+        return
+    target, calls, real_record = int(pause.split(":")[1]), 0, engine.record
+
+    def record(seq: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == target:
+            say("paused-in-record")
+            time.sleep(60)
+        real_record(seq)
+
+    engine.record = record  # type: ignore[method-assign]
 
 
 def install_pause(engine: Engine, pause: str) -> None:
@@ -66,7 +87,7 @@ def install_pause(engine: Engine, pause: str) -> None:
         os.fsync = fsync
 
 
-def main(url: str, snapshot_dir: Path, seed: int) -> None:
+def main(url: str, snapshot_dir: Path, seed: int, milvus: list[str]) -> None:
     say("started")
     rng = np.random.default_rng(seed)
     engine = create_db_engine(url)
@@ -76,7 +97,11 @@ def main(url: str, snapshot_dir: Path, seed: int) -> None:
     store = GalleryStore(Database(engine))
     with contextlib.suppress(Conflict):  # made by an earlier run
         store.create_collection(COLLECTION, MODEL, DIMENSION, 0.5)
-    gallery = Gallery(store, snapshot_dir)
+    vectors = None
+    if milvus:
+        vectors = MilvusEngine(milvus[0], prefix=milvus[1])
+        pause_milvus(vectors, os.environ.get("GALLERY_CRASH_PAUSE", ""))
+    gallery = Gallery(store, snapshot_dir, engine=vectors)
     say("loading")
     gallery.load()
     say("snapshotting")
@@ -108,4 +133,4 @@ def main(url: str, snapshot_dir: Path, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:6])

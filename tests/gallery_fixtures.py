@@ -21,7 +21,12 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from gallery.db import Database, create_db_engine, migrate
+from gallery.gallery import Gallery
+from gallery.index import IndexConfig
+from gallery.milvus import MilvusEngine
 from gallery.store import GalleryStore
+from tests.gallery_helpers import GalleryFactory
+from tests.milvus_lite import MilvusLite
 
 PG_ADMIN_URL = os.environ.get("FACEREC_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
@@ -82,3 +87,44 @@ def engine(db_url: str) -> Iterator[Engine]:
 @pytest.fixture
 def store(engine: Engine) -> GalleryStore:
     return GalleryStore(Database(engine))
+
+
+# --- engines: every gallery test runs on FAISS and on Milvus ---------------------------------------
+
+
+@pytest.fixture(scope="session")
+def milvus_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Milvus (milvus-lite 2.4, the Milvus server packaged as a wheel) on a free local port, for
+    this test session; other processes (crash workers, replicas) reach it by URI."""
+    server = MilvusLite(tmp_path_factory.mktemp("milvus") / "milvus.db")
+    with server:
+        yield server.uri
+
+
+@pytest.fixture(params=["faiss", "milvus"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_gallery(backend: str, request: pytest.FixtureRequest) -> Iterator[GalleryFactory]:
+    """``make_gallery(store, snapshot_dir=None, config=None)``: a Gallery on this test's engine. Milvus
+    galleries of one test share a collection-name prefix unique to the test (isolation on one server)."""
+    prefix = f"t{secrets.token_hex(4)}"
+    uri = request.getfixturevalue("milvus_uri") if backend == "milvus" else ""
+    engines: list[MilvusEngine] = []
+
+    def make(store: GalleryStore, snapshot_dir: Path | None = None, config: IndexConfig | None = None
+             ) -> Gallery:
+        if backend == "faiss":
+            return Gallery(store, snapshot_dir, config)
+        engine = MilvusEngine(uri, prefix=prefix)
+        engines.append(engine)
+        return Gallery(store, snapshot_dir, config, engine=engine)
+
+    make.backend = backend  # type: ignore[attr-defined]
+    make.milvus = (uri, prefix)  # type: ignore[attr-defined]
+    yield make
+    if engines:  # leave the shared server as empty as this test found it
+        engines[0].prune(set())
+        engines[0].client.drop_collection(f"{prefix}_state")

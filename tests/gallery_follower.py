@@ -1,4 +1,5 @@
-"""A read replica in its own process: ``python -m tests.gallery_follower URL COLLECTION``.
+"""A read replica in its own process: ``python -m tests.gallery_follower URL COLLECTION [MILVUS_URI PREFIX]``
+(with the last two, a gateway on that Milvus server: its index is Milvus, none in memory).
 
 It loads a Gallery on the shared database, starts the follower thread (``start_follower(0.1)``) and
 prints, as one JSON line, what its index holds each time that changes: ``{"faces": {face id: identity
@@ -17,12 +18,13 @@ import numpy as np
 
 from gallery.db import Database, create_db_engine
 from gallery.gallery import Gallery
+from gallery.milvus import MilvusEngine
 from gallery.store import GalleryStore
 
 
-def main(url: str, collection: str) -> None:
+def main(url: str, collection: str, milvus: list[str]) -> None:
     store = GalleryStore(Database(create_db_engine(url)))
-    gallery = Gallery(store)
+    gallery = Gallery(store, engine=MilvusEngine(milvus[0], prefix=milvus[1]) if milvus else None)
     gallery.load()
     gallery.start_follower(0.1)
     dimension = store.get_collection(collection).dimension
@@ -52,4 +54,4 @@ def main(url: str, collection: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:5])

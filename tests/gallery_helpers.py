@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,9 @@ from sqlalchemy import Engine, text
 
 from gallery.gallery import Gallery
 from gallery.store import NewFace
+
+#: ``make_gallery(store, snapshot_dir=None, config=None)`` (the fixture in tests/gallery_fixtures.py)
+GalleryFactory = Callable[..., Gallery]
 
 MODEL = "test-model-v1"
 OTHER_MODEL = "test-model-v2"

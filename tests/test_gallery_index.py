@@ -19,7 +19,7 @@ from gallery.errors import InvalidEmbedding
 from gallery.gallery import Gallery, SearchResult
 from gallery.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
 from gallery.store import GalleryStore
-from tests.gallery_helpers import MODEL, assert_gallery_matches_db, new_faces, unit_vectors
+from tests.gallery_helpers import MODEL, GalleryFactory, assert_gallery_matches_db, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
 
@@ -177,9 +177,9 @@ def test_face_index_tombstone_search_skips_dead_neighbours() -> None:
 # --- Gallery.search against the oracle ----------------------------------------------------------
 
 
-def test_gallery_search_equals_brute_force(store: GalleryStore) -> None:
+def test_gallery_search_equals_brute_force(store: GalleryStore, make_gallery: GalleryFactory) -> None:
     rng = np.random.default_rng(20261130)
-    gallery = Gallery(store)
+    gallery = make_gallery(store)
     checked = ties_checked = 0
     for number in range(30):
         name = f"g{number}"
@@ -199,13 +199,13 @@ def test_gallery_search_equals_brute_force(store: GalleryStore) -> None:
     assert ties_checked > 50  # the deliberate ties really were exercised
 
 
-def test_threshold_decides_unknown(store: GalleryStore) -> None:
+def test_threshold_decides_unknown(store: GalleryStore, make_gallery: GalleryFactory) -> None:
     rng = np.random.default_rng(3)
     store.create_collection("t", MODEL, DIM, 0.8)
     enrolled = Enrolled()
     for number in range(10):
         enrolled.add(store, "t", f"p{number}", unit_vectors(rng, 3, DIM))
-    gallery = Gallery(store)
+    gallery = make_gallery(store)
     face_id, vector = next(iter(enrolled.vector_of.items()))
     own = vector.astype(np.float32)
     stranger = unit_vectors(rng, 1, DIM)[0]

@@ -1,0 +1,226 @@
+"""Milvus as the gallery engine: the vectors live in a Milvus server that every gateway shares.
+
+One Milvus collection per gallery collection, ``<prefix>_c<collection id>`` (ids are never reused, so a
+dropped or re-embedded collection never meets its successor's data), with the face id as primary key,
+the identity id as a scalar field and the embedding under an inner-product index (``FLAT`` by default:
+exact, so results equal FAISS exact search). ``<prefix>_state`` records the change-log position applied
+to Milvus (key 0) and, per collection, the model and dimension it was built for. Searches and queries
+use Strong consistency: a search after an enroll sees it. Erasure is delete, flush, then a compaction
+(waited for) so that the deleted rows leave the stored segments; a server without compaction
+(milvus-lite answers UNIMPLEMENTED) is logged, and the rows are then only deleted, not rewritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from gallery.engines import Faces
+from gallery.store import CollectionInfo
+
+log = logging.getLogger(__name__)
+
+Ids = NDArray[np.int64]
+Vectors = NDArray[np.float32]
+STRONG = "Strong"
+#: Milvus refuses larger top-k and query windows.
+MAX_TOPK = 16_384
+INSERT_BATCH = 5_000
+_POSITION = 0  # the state row holding the applied change-log position
+
+
+class MilvusIndex:
+    """One gallery collection in Milvus (a ``CollectionIndex``); holds nothing but its name."""
+
+    stale = False
+    has_tombstones = False
+
+    def __init__(self, client: Any, name: str, dimension: int, search_params: dict[str, Any]) -> None:
+        self.client, self.name, self.dimension = client, name, dimension
+        self.search_params = search_params
+
+    def __len__(self) -> int:
+        rows = self.client.query(self.name, filter="", output_fields=["count(*)"], consistency_level=STRONG)
+        return int(rows[0]["count(*)"])
+
+    def _rows(self, fields: list[str]) -> Iterator[dict[str, Any]]:
+        iterator = self.client.query_iterator(self.name, batch_size=4096, filter="face_id >= 0",
+                                              output_fields=fields, consistency_level=STRONG)
+        try:
+            while batch := iterator.next():
+                yield from batch
+        finally:
+            iterator.close()
+
+    def face_ids(self) -> set[int]:
+        return {int(row["face_id"]) for row in self._rows(["face_id"])}
+
+    def identities(self) -> dict[int, int]:
+        return {int(row["face_id"]): int(row["identity_id"]) for row in self._rows(["identity_id"])}
+
+    def add(self, face_ids: Ids, identity_ids: Ids, vectors: Vectors) -> None:
+        for start in range(0, len(face_ids), INSERT_BATCH):
+            stop = start + INSERT_BATCH
+            rows = [{"face_id": int(f), "identity_id": int(i), "embedding": v.tolist()}
+                    for f, i, v in zip(face_ids[start:stop], identity_ids[start:stop], vectors[start:stop],
+                                       strict=True)]
+            self.client.upsert(self.name, rows)  # upsert: replaying a change is harmless
+
+    def remove(self, face_ids: Ids) -> None:
+        if len(face_ids):
+            self.client.delete(self.name, ids=[int(f) for f in face_ids])
+
+    def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids, Ids]:
+        limit = max(1, min(k, MAX_TOPK))
+        hits = self.client.search(self.name, data=[q.tolist() for q in queries], limit=limit,
+                                  output_fields=["identity_id"], consistency_level=STRONG,
+                                  search_params={"metric_type": "IP", "params": self.search_params})
+        scores = np.full((len(queries), limit), -np.inf, np.float32)
+        ids = np.full((len(queries), limit), -1, np.int64)
+        owners = np.full((len(queries), limit), -1, np.int64)
+        for row, found in enumerate(hits):
+            for rank, hit in enumerate(found):
+                scores[row, rank], ids[row, rank] = hit["distance"], hit["id"]
+                owners[row, rank] = hit["entity"]["identity_id"]
+        return scores, ids, owners
+
+
+class MilvusEngine:
+    """An ``Engine`` on a Milvus server (standalone, cluster, or milvus-lite for tests)."""
+
+    shared = True
+
+    def __init__(self, uri: str, token: str | None = None, prefix: str = "facerec", index_type: str = "FLAT",
+                 index_params: dict[str, Any] | None = None, search_params: dict[str, Any] | None = None,
+                 client: Any = None) -> None:
+        if not uri and client is None:
+            raise ValueError("the Milvus backend needs a URI (FACEREC_GALLERY__MILVUS__URI)")
+        if client is None:
+            from pymilvus import MilvusClient  # the `milvus` extra
+
+            client = MilvusClient(uri=uri, token=token or "")
+        self.client, self.prefix = client, prefix
+        self.index_type, self.index_params = index_type, dict(index_params or {})
+        self.search_params = dict(search_params or {})
+        #: (collection, outcome) of each compaction asked for: "completed" or "unsupported by the server"
+        self.compactions: list[tuple[str, str]] = []
+        self._state = f"{prefix}_state"
+        self._ensure_state()
+
+    def name(self, collection_id: int) -> str:
+        return f"{self.prefix}_c{collection_id}"
+
+    # --- state: the applied position and what each collection was built for -------------------
+
+    def _ensure_state(self) -> None:
+        if self.client.has_collection(self._state):
+            return
+        from pymilvus import DataType
+
+        schema = self.client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("key", DataType.INT64, is_primary=True)
+        schema.add_field("seq", DataType.INT64)
+        schema.add_field("model", DataType.VARCHAR, max_length=256)
+        schema.add_field("dimension", DataType.INT64)
+        schema.add_field("unused", DataType.FLOAT_VECTOR, dim=2)  # Milvus wants a vector field
+        params = self.client.prepare_index_params()
+        params.add_index("unused", index_type="FLAT", metric_type="L2")
+        self.client.create_collection(self._state, schema=schema, index_params=params,
+                                      consistency_level=STRONG)
+
+    def _state_row(self, key: int) -> dict[str, Any] | None:
+        rows = self.client.query(self._state, filter=f"key == {int(key)}",
+                                 output_fields=["seq", "model", "dimension"], consistency_level=STRONG)
+        return rows[0] if rows else None
+
+    def _write_state(self, key: int, seq: int, model: str = "", dimension: int = 0) -> None:
+        self.client.upsert(self._state, [{"key": int(key), "seq": int(seq), "model": model,
+                                          "dimension": int(dimension), "unused": [0.0, 0.0]}])
+
+    def position(self) -> int | None:
+        row = self._state_row(_POSITION)
+        return None if row is None else int(row["seq"])
+
+    def record(self, seq: int) -> None:
+        self._write_state(_POSITION, seq)
+
+    # --- collections ---------------------------------------------------------------------------
+
+    def _index(self, info: CollectionInfo) -> MilvusIndex:
+        return MilvusIndex(self.client, self.name(info.id), info.dimension, self.search_params)
+
+    def open(self, info: CollectionInfo, identities: Faces) -> tuple[MilvusIndex, int] | None:
+        row = self._state_row(info.id)
+        exists = self.client.has_collection(self.name(info.id))
+        if row is None or not exists or row["model"] != info.embedding_model \
+                or int(row["dimension"]) != info.dimension:
+            if exists or row is not None:
+                log.warning("Milvus collection %s does not match %s (%s, %d-d): rebuilding it",
+                            self.name(info.id), info.name, info.embedding_model, info.dimension)
+            return None
+        return self._index(info), self.position() or 0
+
+    def build(self, info: CollectionInfo, ids: Ids, identities: Ids, vectors: Vectors) -> MilvusIndex:
+        from pymilvus import DataType
+
+        self.forget(info.id)
+        name = self.name(info.id)
+        schema = self.client.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("face_id", DataType.INT64, is_primary=True)
+        schema.add_field("identity_id", DataType.INT64)
+        schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=info.dimension)
+        params = self.client.prepare_index_params()
+        params.add_index("embedding", index_type=self.index_type, metric_type="IP", params=self.index_params)
+        self.client.create_collection(name, schema=schema, index_params=params, consistency_level=STRONG)
+        index = self._index(info)
+        index.add(ids, identities, vectors)
+        self.client.flush(name)
+        self._write_state(info.id, 0, info.embedding_model, info.dimension)
+        log.info("built Milvus collection %s: %d faces of %s", name, len(ids), info.name)
+        return index
+
+    def forget(self, collection_id: int) -> None:
+        name = self.name(collection_id)
+        if self.client.has_collection(name):
+            self.client.drop_collection(name)
+        self.client.delete(self._state, ids=[int(collection_id)])
+
+    def persist(self, index: Any, info: CollectionInfo, seq: int, erased: bool) -> list[str]:
+        name = self.name(info.id)
+        self.client.flush(name)
+        if erased:
+            self.compact(name)
+        return []
+
+    def compact(self, name: str, timeout_s: float = 300.0) -> str:
+        """Compact ``name`` so deleted rows leave its segments, and wait for it to finish."""
+        from grpc import RpcError, StatusCode
+
+        try:
+            job = self.client.compact(name)
+        except RpcError as exc:
+            if exc.code() is not StatusCode.UNIMPLEMENTED:
+                raise
+            log.warning("the Milvus server cannot compact %s (milvus-lite?): deleted rows are not "
+                        "rewritten out of its storage", name)
+            self.compactions.append((name, "unsupported by the server"))
+            return "unsupported"
+        deadline = time.monotonic() + timeout_s
+        while str(self.client.get_compaction_state(job)) != "Completed":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"compaction of {name} did not finish within {timeout_s} s")
+            time.sleep(0.5)
+        self.compactions.append((name, "completed"))
+        return "completed"
+
+    def prune(self, live: set[int]) -> None:
+        head = f"{self.prefix}_c"
+        for name in self.client.list_collections():
+            number = name.removeprefix(head)
+            if name.startswith(head) and number.isdigit() and int(number) not in live:
+                self.forget(int(number))
