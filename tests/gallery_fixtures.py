@@ -24,9 +24,9 @@ from gallery.db import Database, create_db_engine, migrate
 from gallery.gallery import Gallery
 from gallery.index import IndexConfig
 from gallery.milvus import MilvusEngine
+from gallery.milvus_lite import MilvusLite
 from gallery.store import GalleryStore
 from tests.gallery_helpers import GalleryFactory
-from tests.milvus_lite import MilvusLite
 
 PG_ADMIN_URL = os.environ.get("FACEREC_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 

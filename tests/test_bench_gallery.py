@@ -31,41 +31,39 @@ def test_synthetic_faces_look_like_face_embeddings() -> None:
 
 
 def test_benchmark_case_reports_plausible_figures() -> None:
-    stats, (exact, approximate) = benchmark_case(2_000, 32, queries=50)
+    stats, (exact, pq, milvus) = benchmark_case(2_000, 32, queries=50, candidates=("pq4fs",), milvus_max=2_000)
     assert 0.7 < stats.genuine_cos < 0.8 and abs(stats.impostor_cos) < 0.05
     assert stats.probe_best_impostor < 0.75 and 0.0 <= stats.probe_impostor_wins <= 1.0
 
-    assert exact.index == "exact" and exact.recall_at_10 == 1.0
-    assert exact.true_match_at_10 == 1.0  # the source face (cosine 0.75) always beats the impostors here
-    assert exact.p50_ms is not None and exact.p99_ms is not None and 0 < exact.p50_ms <= exact.p99_ms
-    assert exact.batch_qps is not None and exact.batch_qps > 0
+    for row in (exact, milvus):  # both exact: recall and agreement 1 by definition
+        assert row.recall_at_10 == 1.0 and row.genuine_agreement == row.impostor_agreement == 1.0
+        assert row.true_match_at_10 == 1.0  # the source face (cosine 0.75) always beats the impostors here
+        assert row.p50_ms is not None and row.p99_ms is not None and 0 < row.p50_ms <= row.p99_ms
+        assert set(row.qps) == {"1", "8", "32"} and all(v > 0 for v in row.qps.values())
+        assert row.build_s > 0 and row.load_s is not None and row.load_s > 0
     assert exact.snapshot_bytes is not None and exact.snapshot_bytes >= 2_000 * 32 * 4
-    assert exact.build_s > 0 and exact.save_s is not None and exact.load_s is not None
+    assert milvus.label.startswith("Milvus-lite") and milvus.memory_bytes is not None
 
-    assert approximate.index in {"ivf", "refused"}
-    assert approximate.nlist is not None and approximate.nlist >= 16
-    assert approximate.tuning_recall is not None and 0.0 <= approximate.tuning_recall <= 1.0
-    if approximate.index == "ivf":
-        assert approximate.tuning_recall >= 0.99
-        assert approximate.nprobe is not None and approximate.nprobe >= 1
-        assert approximate.recall_at_10 is not None and 0.0 <= approximate.recall_at_10 <= 1.0
-        assert approximate.true_match_at_10 is not None and 0.0 <= approximate.true_match_at_10 <= 1.0
-        assert approximate.p50_ms is not None and approximate.p50_ms > 0
+    assert pq.index == "pq4fs" and pq.effort is not None and pq.build_recall_bound is not None
+    if pq.accurate:
+        assert pq.build_recall_bound >= 0.99 and pq.recall_at_10 is not None and pq.recall_bound is not None
+        assert pq.p50_ms is not None and pq.genuine_agreement is not None
     else:
-        assert approximate.p50_ms is None and "refused" in approximate.label
+        assert pq.p50_ms is None and "refused" in pq.label
 
-    table = result_table([exact, approximate])
+    table = result_table([exact, pq, milvus])
     header, _, *rows = table.splitlines()
     assert [c.strip() for c in header.strip("|").split("|")] == list(COLUMNS)
-    assert len(rows) == 2 and all(row.count("|") == len(COLUMNS) + 1 for row in rows)
-    assert "exact (Flat)" in rows[0] and "| 1.0000 | 1.0000 |" in rows[0]
-    text = document("python -m bench.gallery", [exact, approximate], [(2_000, 32, stats)], "test machine")
+    assert len(rows) == 3 and all(row.count("|") == len(COLUMNS) + 1 for row in rows)
+    assert "exact (Flat)" in rows[0] and "| 1.0000 (1.0000) | 100.00% / 100.00% | 1.0000 |" in rows[0]
+    text = document("python -m bench.gallery", [exact, pq], [(2_000, 32, stats)], "test machine")
     assert "How to read this" in text and "Machine: test machine" in text
 
 
 def test_command_line_writes_the_report(tmp_path: Path) -> None:
     out, results = tmp_path / "gallery.md", tmp_path / "gallery.json"
-    argv = ["--sizes", "1000", "--dims", "16", "--queries", "20", "--out", str(out), "--json", str(results)]
+    argv = ["--sizes", "1000", "--dims", "16", "--queries", "20", "--milvus-max", "0", "--out", str(out),
+            "--json", str(results)]
     assert main(argv) == 0
     text = out.read_text()
     assert "python -m bench.gallery --sizes 1000" in text and "| 1,000 | 16 | exact (Flat) |" in text

@@ -1,8 +1,9 @@
 """A milvus-lite server (the real Milvus, packaged in the ``milvus-lite`` wheel) in its own process.
 
 ``MilvusClient("file.db")`` would start one inside the calling process, reachable only from it; the
-gallery tests need one that several processes share and that survives a SIGKILLed client, so this
-starts the wheel's ``milvus`` binary on a TCP port, as its own ``Server`` class does.
+gallery tests and benchmarks need one that several processes share and that survives a SIGKILLed
+client, so this starts the wheel's ``milvus`` binary on a TCP port, as its own ``Server`` class does.
+For development and tests (the `milvus` extra); production runs Milvus standalone or a cluster.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class MilvusLite:
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"milvus-lite did not start on port {self.port}") from None
                 time.sleep(0.05)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:

@@ -1,0 +1,103 @@
+"""The indexes ``bench/gallery.py`` compares, each built as the product builds it, then measured."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bench.gallery_measure import K, MemoryProbe, Row, Truth, measure, release_free_memory, status_kib
+from gallery.index import FaceIndex, IndexConfig
+from gallery.milvus import MilvusEngine
+from gallery.milvus_lite import MilvusLite
+from gallery.store import CollectionInfo
+
+Vectors = NDArray[np.float32]
+
+
+def _snapshot(index: FaceIndex, config: IndexConfig, truth: Truth, row: Row) -> None:
+    """Save, free, load back (timed), and check the loaded index answers as the saved one did."""
+    expected = index.search(truth.genuine[:16], K)[1]
+    with tempfile.TemporaryDirectory(prefix="bench-gallery-") as folder:
+        path = Path(folder) / "index.faiss"
+        index.save(path, seq=0)
+        row.snapshot_bytes = path.stat().st_size
+        del index
+        release_free_memory()
+        began = time.perf_counter()
+        loaded, _ = FaceIndex.load(path, config)
+        row.load_s = time.perf_counter() - began
+    if not np.array_equal(loaded.search(truth.genuine[:16], K)[1], expected):
+        raise RuntimeError(f"{row.label}: the loaded snapshot answers differently from the saved index")
+
+
+def _faiss(vectors: Vectors, config: IndexConfig, row: Row, threshold: float) -> FaceIndex:
+    ids = np.arange(len(vectors), dtype=np.int64)
+    memory = MemoryProbe()
+    with memory.measure():
+        began = time.perf_counter()
+        index = FaceIndex.build(vectors.shape[1], ids, vectors, config, identities=ids // 10,
+                                threshold=threshold)
+        row.build_s = time.perf_counter() - began
+    row.memory_bytes = memory.retained
+    return index
+
+
+def bench_exact(vectors: Vectors, truth: Truth) -> Row:
+    row = Row(len(vectors), vectors.shape[1], "exact")
+    config = IndexConfig(exact_max=len(vectors))
+    index = _faiss(vectors, config, row, truth.threshold)
+    measure(index.search, truth, row)
+    _snapshot(index, config, truth, row)
+    return row
+
+
+def bench_faiss(vectors: Vectors, kind: str, truth: Truth, threshold: float) -> Row:
+    """``kind`` alone as the candidate, kept when accurate (the latency rule is what the table shows)."""
+    row = Row(len(vectors), vectors.shape[1], kind)
+    config = IndexConfig(exact_max=0, candidates=(kind,), latency_check=False)
+    index = _faiss(vectors, config, row, threshold)
+    (measured,) = index.selection
+    row.effort, row.accurate = measured.effort, measured.accurate
+    row.build_recall_bound = measured.recall_bound
+    if measured.accurate:
+        measure(index.search, truth, row)
+        _snapshot(index, config, truth, row)
+    return row
+
+
+def bench_milvus(vectors: Vectors, truth: Truth, threshold: float) -> Row:
+    """The gallery's Milvus engine on a milvus-lite server of its own (FLAT index: exact)."""
+    row = Row(len(vectors), vectors.shape[1], "milvus-lite")
+    ids = np.arange(len(vectors), dtype=np.int64)
+    info = CollectionInfo(1, "bench", "synthetic", vectors.shape[1], threshold, False, datetime.now(UTC))
+    with tempfile.TemporaryDirectory(prefix="bench-milvus-") as folder:
+        server = MilvusLite(Path(folder) / "bench.db")
+        with server:
+            before = status_kib("VmRSS", server.pid or "self")
+            engine = MilvusEngine(server.uri, prefix="bench")
+            began = time.perf_counter()
+            index = engine.build(info, ids, ids // 10, vectors)
+            row.build_s = time.perf_counter() - began
+
+            def search(queries: Vectors, k: int) -> tuple[Vectors, NDArray[np.int64]]:
+                scores, found, _ = index.search(queries, k)
+                return scores, found
+
+            measure(search, truth, row)
+            row.memory_bytes = (status_kib("VmRSS", server.pid or "self") - before) * 1024
+            engine.client.close()
+        began = time.perf_counter()
+        with server:  # a restart: the server reads its file and loads the collection again
+            engine = MilvusEngine(server.uri, prefix="bench")
+            opened = engine.open(info, lambda: (ids, ids // 10))
+            if opened is None:
+                raise RuntimeError("milvus-lite lost the collection across a restart")
+            opened[0].search(truth.genuine[:1], K)
+            row.load_s = time.perf_counter() - began
+            engine.client.close()
+    return row
