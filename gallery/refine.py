@@ -27,10 +27,11 @@ Vectors = NDArray[np.float32]
 
 
 def pq4_fast_scan(dimension: int) -> Any:
-    """4-bit PQ fast-scan codes: one sub-quantizer per 4 dimensions at 128-d (16 bytes per face), per
-    8 dimensions above 256-d (32 bytes at 512-d: at 4 dims the scan would cost twice as much)."""
-    width = 4 if dimension <= 256 else 8
-    subquantizers = max(1, dimension // width)
+    """4-bit PQ fast-scan codes, 64 sub-quantizers (32 bytes per face) from 128-d up: one per 2
+    dimensions at 128-d, per 8 at 512-d. Measured at 1M x 128 (face-like data, SFace's threshold): with
+    one per 4 dimensions, even re-ranking 8192 candidates agreed with exact search on only 99.65 % of
+    impostor decisions; with one per 2, 512 candidates reach 99.9 %."""
+    subquantizers = min(64, max(1, dimension // 2))
     while dimension % subquantizers:
         subquantizers -= 1
     return faiss.IndexPQFastScan(dimension, subquantizers, 4, faiss.METRIC_INNER_PRODUCT)
@@ -127,10 +128,14 @@ class RefinedIndex:
     def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
         queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.d)
         rows = self._candidates(queries, max(self.rerank, k))
-        scores = np.einsum("qcd,qd->qc", self._vectors[np.maximum(rows, 0)], queries)
+        gathered = self._vectors[np.maximum(rows, 0)]  # [nq, candidates, d]
+        scores = np.matmul(gathered, queries[:, :, None])[:, :, 0]
         scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)
+        if scores.shape[1] > k:  # the k best (ties at the k-th place: any of them), then ordered
+            keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+            scores, rows = np.take_along_axis(scores, keep, 1), np.take_along_axis(rows, keep, 1)
         ids = np.where(rows >= 0, self._row_ids[np.maximum(rows, 0)], -1)
-        order = np.lexsort((ids, -scores), axis=1)[:, :k]  # best score first; equal scores by id
+        order = np.lexsort((ids, -scores), axis=1)  # best score first; equal scores by id
         return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
 
     # --- persistence -------------------------------------------------------------------------

@@ -31,7 +31,8 @@ def test_synthetic_faces_look_like_face_embeddings() -> None:
 
 
 def test_benchmark_case_reports_plausible_figures() -> None:
-    stats, (exact, pq, milvus) = benchmark_case(2_000, 32, queries=50, candidates=("pq4fs",), milvus_max=2_000)
+    stats, (exact, pq, milvus) = benchmark_case(2_000, 32, queries=50, candidates=("pq4fs",),
+                                                milvus_max=2_000)
     assert 0.7 < stats.genuine_cos < 0.8 and abs(stats.impostor_cos) < 0.05
     assert stats.probe_best_impostor < 0.75 and 0.0 <= stats.probe_impostor_wins <= 1.0
 

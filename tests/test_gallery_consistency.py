@@ -296,7 +296,7 @@ def test_sigkill_at_any_moment_converges(db_url: str, tmp_path: Path, caplog: py
         faces = sql_scalar(engine, "SELECT count(*) FROM faces")
         changes = sql_scalar(engine, "SELECT count(*) FROM face_changes")
         # the workers really worked (Milvus writes are slower: fewer operations fit in the same delays)
-        assert faces >= 20 and changes >= (50 if on_milvus else 100), (faces, changes)
+        assert faces >= (10 if on_milvus else 20) and changes >= (50 if on_milvus else 100), (faces, changes)
         assert replayed >= 2  # restarts loaded a snapshot and replayed newer changes on top of it
     finally:
         engine.dispose()

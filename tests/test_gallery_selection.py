@@ -74,7 +74,7 @@ def test_refined_index_scores_are_exact_and_round_trip() -> None:
     assert restored.rerank == 64 and restored.ntotal == index.ntotal
     for a, b in zip(restored.search(queries, 10), index.search(queries, 10), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert pq4_fast_scan(128).M == 32 and pq4_fast_scan(512).M == 64
+    assert pq4_fast_scan(128).M == 64 and pq4_fast_scan(512).M == 64 and pq4_fast_scan(16).M == 8
 
 
 # --- decision agreement ------------------------------------------------------------------------
