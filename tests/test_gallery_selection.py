@@ -99,6 +99,12 @@ def test_decision_agreement_counts_identities_unknowns_and_ties() -> None:
     assert selection.decision_agreement(approx, exact, identity_of, 0.95) == 1.0
 
 
+def test_agreement_bounds_leave_a_margin() -> None:
+    assert selection.proportion_lower_bound(1.0, 500) == 1.0
+    assert selection.proportion_lower_bound(1999 / 2000, 2000) < 0.999  # one miss in 2000 is not enough
+    assert selection.proportion_lower_bound(3999 / 4000, 4000) >= 0.999
+
+
 def test_impostor_probes_follow_the_collection_distribution() -> None:
     rng = np.random.default_rng(4)
     common = unit_vectors(rng, 1, 64)[0]
