@@ -50,7 +50,8 @@ class Agreement:
             return f"{text}; not the same faces"
         return (f"{text}; same face embedding cosine >= {self.lowest_cosine:.4f} (box IoU >= "
                 f"{self.lowest_iou:.2f}), each face closest to itself; same/different decisions at threshold "
-                f"{self.threshold:g}: "                f"{self.same_decisions} of {self.pairs} face pairs alike ({self.matches} same-person)")
+                f"{self.threshold:g}: {self.same_decisions} of {self.pairs} face pairs alike ({self.matches} "
+                "same-person)")
 
 
 def _iou(a: Sequence[float], b: Sequence[float]) -> float:
