@@ -39,7 +39,7 @@ class Results:
     naive_plain: list[LoadRow] = field(default_factory=list)  # ... fixed 640x640, PReLU embedder
     naive_onnxruntime: list[LoadRow] = field(default_factory=list)  # the served files on ONNX Runtime f32
     plain_check: str = ""  # bench.plain: the plain embedder equals the served one (PlainModels.describe)
-    naive_agreement: str = ""  # faces and embeddings of the two naive variants (naive.agreement)
+    naive_agreement: str = ""  # faces and decisions of each naive variant vs plain
     stack: list[LoadRow] = field(default_factory=list)
     perf_analyzer: list[PaResult] = field(default_factory=list)
     memory: MemoryRun | None = None
