@@ -138,7 +138,9 @@ def faces_found(server: NaiveServer, name: str, data: bytes) -> int:
 def agreement(servers: Sequence[NaiveServer], photos: dict[str, bytes], threshold: float) -> list[Agreement]:
     """Each variant's faces and decisions against plain's (``bench.naive_agreement``); one server per
     variant is asked (the first of each)."""
-    first = {s.variant: s for s in reversed(servers)}
+    first: dict[str, NaiveServer] = {}
+    for server in servers:
+        first.setdefault(server.variant, server)
     faces = {variant: {name: embed(server, name, data) for name, data in photos.items()}
              for variant, server in first.items()}
     return compare_all(faces, threshold)
