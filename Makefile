@@ -13,7 +13,14 @@ COMPREFACE_SDK ?= compreface-sdk==0.6.0
 PORT ?= 8080
 TRITON_PORTS ?= 8000 8001 8002
 
-.PHONY: run test setup models photos lint clean
+# Python 3.12 is supported too: `make test-py312` runs the real-server tests that cover the stack end to end
+# (Triton with the 3.12 backend stub, the gateway, the compatible APIs) in a 3.12 venv of its own.
+PYTHON312 ?= python3.12
+VENV312 ?= .venv312
+PY312_TESTS ?= tests/test_triton_pipeline.py tests/test_api_flow.py tests/test_compat_deepstack.py \
+	tests/test_api_readable_errors.py tests/test_precision.py
+
+.PHONY: run test test-py312 setup models photos lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +49,15 @@ run: models
 test: lint models photos
 	$(PY) -m pytest
 
+$(VENV312)/.test: pyproject.toml
+	$(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV312)/bin/python -m pip install --quiet -e '.[server,cpu,dev]'
+	touch $@
+
+test-py312: $(VENV312)/.test models photos
+	$(VENV312)/bin/python -m pytest -p no:cacheprovider $(PY312_TESTS)
+
 # Lint and types (part of `make test`): ruff over the tree, mypy --strict over the code; each model.py
 # alone (they share the module name `model`), typed against tests/fakes/triton_python_backend_utils.py.
 lint: $(VENV)/.test
@@ -50,4 +66,4 @@ lint: $(VENV)/.test
 	for model in model_repository/*/model.py; do $(PY) -m mypy "$$model" || exit 1; done
 
 clean:
-	rm -rf $(VENV) artifacts model_repository/cpu model_repository/gpu model_repository/ngc-cpu
+	rm -rf $(VENV) $(VENV312) artifacts model_repository/cpu model_repository/gpu model_repository/ngc-cpu
