@@ -203,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--queries", type=int, default=200, help="probes per measurement (default: 200)")
+    parser.add_argument("--queries", type=int, default=200,
+                        help="genuine and impostor probes for accuracy (default: %(default)s; latency and "
+                             "throughput use the first 200)")
     parser.add_argument("--quick", action="store_true", help="10k and 100k faces only (CI smoke run)")
     parser.add_argument("--candidates", nargs="*", default=["pq4fs", "sq8"],
                         help="approximate kinds to build (pq4fs, sq8, ivf; default: %(default)s)")

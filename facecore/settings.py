@@ -38,20 +38,18 @@ class DatabaseSettings(BaseModel):
                      "and the other FACEREC_DB_* parts when those are set")
 
 
-class MilvusSettings(BaseModel):
-    uri: str = Field("", description="Milvus address, e.g. http://milvus:19530 (the milvus backend needs it)")
-    token: SecretStr | None = Field(None, description="Milvus credentials (user:password or an API key)")
-    prefix: str = Field("facerec", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,100}$",
-                        description="prefix of this deployment's Milvus collection names")
-    index_type: str = Field("FLAT", description="Milvus index type (FLAT: exact; HNSW, IVF_SQ8, DISKANN ...)")
-    index_params: dict[str, Any] = Field(default_factory=dict, description="Milvus index build parameters")
-    search_params: dict[str, Any] = Field(default_factory=dict, description="Milvus search parameters")
-
-
 class GallerySettings(BaseModel):
     backend: Literal["faiss", "milvus"] = Field("faiss", description="faiss: an index in every gateway's "
                                                 "memory; milvus: a shared Milvus server (no index in memory)")
-    milvus: MilvusSettings = MilvusSettings()
+    milvus_uri: str = Field("", description="Milvus address, e.g. http://milvus:19530 (the milvus backend "
+                            "needs it)")
+    milvus_token: SecretStr | None = Field(None, description="Milvus credentials (user:password, or a key)")
+    milvus_prefix: str = Field("facerec", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,100}$",
+                               description="prefix of this deployment's Milvus collection names")
+    milvus_index_type: str = Field("FLAT", description="Milvus index type (FLAT: exact; HNSW, IVF_SQ8, "
+                                   "DISKANN ...: approximate)")
+    milvus_index_params: dict[str, Any] = Field(default_factory=dict, description="Milvus index parameters")
+    milvus_search_params: dict[str, Any] = Field(default_factory=dict, description="Milvus search parameters")
     snapshot_dir: Path | None = Field(ROOT / "data" / "index",
                                       description="FAISS snapshots (none: no snapshots)")
     follow_interval_s: float = Field(0.2, gt=0, description="change-log polling period (replicas)")
@@ -150,8 +148,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def milvus_uri(self) -> Self:
-        if self.gallery.backend == "milvus" and not self.gallery.milvus.uri:
-            raise ValueError("the milvus gallery backend needs FACEREC_GALLERY__MILVUS__URI")
+        if self.gallery.backend == "milvus" and not self.gallery.milvus_uri:
+            raise ValueError("the milvus gallery backend needs FACEREC_GALLERY__MILVUS_URI")
         return self
 
 

@@ -94,17 +94,17 @@ class Engine(Protocol):
     def record(self, seq: int) -> None: ...
 
 
-def make_engine(backend: str, snapshot_dir: Path | None, config: IndexConfig, milvus: Any = None) -> Engine:
-    """The engine the settings ask for (``milvus``: a ``facecore.settings.MilvusSettings``)."""
-    if backend == "faiss":
+def make_engine(settings: Any, snapshot_dir: Path | None, config: IndexConfig) -> Engine:
+    """The engine a ``facecore.settings.GallerySettings`` asks for."""
+    if settings.backend == "faiss":
         return FaissEngine(snapshot_dir, config)
-    if backend == "milvus":
+    if settings.backend == "milvus":
         from gallery.milvus import MilvusEngine  # pymilvus: the `milvus` extra
 
-        token = None if milvus.token is None else milvus.token.get_secret_value()
-        return MilvusEngine(milvus.uri, token, milvus.prefix, milvus.index_type, milvus.index_params,
-                            milvus.search_params)
-    raise ValueError(f"unknown gallery backend {backend!r} (faiss or milvus)")
+        token = None if settings.milvus_token is None else settings.milvus_token.get_secret_value()
+        return MilvusEngine(settings.milvus_uri, token, settings.milvus_prefix, settings.milvus_index_type,
+                            settings.milvus_index_params, settings.milvus_search_params)
+    raise ValueError(f"unknown gallery backend {settings.backend!r} (faiss or milvus)")
 
 
 # --- FAISS, in this process --------------------------------------------------------------------

@@ -70,7 +70,7 @@ def open_gallery(store: GalleryStore, settings: Settings, snapshot_dir: Path | N
     (``snapshot_dir`` overrides the settings' one)."""
     config = IndexConfig(exact_max=settings.gallery.exact_max)
     folder = snapshot_dir or settings.gallery.snapshot_dir
-    engine = make_engine(settings.gallery.backend, folder, config, settings.gallery.milvus)
+    engine = make_engine(settings.gallery, folder, config)
     return Gallery(store, folder, config, engine=engine,
                    batcher=SearchBatcher(settings.gallery.batch_window_ms / 1000))
 

@@ -99,7 +99,7 @@ class MilvusEngine:
                  index_params: dict[str, Any] | None = None, search_params: dict[str, Any] | None = None,
                  client: Any = None) -> None:
         if not uri and client is None:
-            raise ValueError("the Milvus backend needs a URI (FACEREC_GALLERY__MILVUS__URI)")
+            raise ValueError("the Milvus backend needs a URI (FACEREC_GALLERY__MILVUS_URI)")
         if client is None:
             from pymilvus import MilvusClient  # the `milvus` extra
 

@@ -62,7 +62,7 @@ def test_gateway_reaches_milvus_and_waits_for_it(merged: dict[str, Any]) -> None
     gateway, milvus = merged["services"]["gateway"], merged["services"]["milvus"]
     env = gateway["environment"]
     assert env["FACEREC_GALLERY__BACKEND"] == "milvus"
-    assert re.fullmatch(r"http://milvus:19530", env["FACEREC_GALLERY__MILVUS__URI"])
+    assert re.fullmatch(r"http://milvus:19530", env["FACEREC_GALLERY__MILVUS_URI"])
     assert gateway["depends_on"]["milvus"]["condition"] == "service_healthy"
     assert milvus["environment"]["ETCD_ENDPOINTS"].split(":")[0] in merged["services"]
     assert milvus["environment"]["MINIO_ADDRESS"].split(":")[0] in merged["services"]
@@ -83,7 +83,7 @@ def milvus_tag(image: str) -> tuple[int, int]:
 def test_server_versions_match_the_pinned_milvus_lite(merged: dict[str, Any]) -> None:
     """Compose, the Helm values and the tested engine (milvus-lite) are one Milvus line (2.4)."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    lite = next(r for r in extras["milvus"] if r.startswith("milvus-lite=="))
+    lite = next(r for r in extras["dev"] if r.startswith("milvus-lite=="))
     major, minor = (int(p) for p in lite.removeprefix("milvus-lite==").split(".")[:2])
     values = yaml.safe_load((HELM / "values.yaml").read_text())
     helm_image = f"{values['image']['all']['repository']}:{values['image']['all']['tag']}"
@@ -120,5 +120,5 @@ def test_kustomize_overlay_switches_the_gateways_to_the_chart_service(
     assert merged["data"]["FACEREC_GALLERY__BACKEND"] == "milvus"
     # `helm install facerec-milvus ...` (values.yaml) names the proxy Service facerec-milvus
     release = re.search(r"helm install (\S+) milvus/milvus", (HELM / "values.yaml").read_text())
-    assert release and merged["data"]["FACEREC_GALLERY__MILVUS__URI"] == f"http://{release.group(1)}:19530"
+    assert release and merged["data"]["FACEREC_GALLERY__MILVUS_URI"] == f"http://{release.group(1)}:19530"
     assert not any(p.name.endswith(".yaml") and "StatefulSet" in p.read_text() for p in HELM.iterdir())

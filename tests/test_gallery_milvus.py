@@ -165,10 +165,10 @@ def test_reembedding_rebuilds_the_milvus_collection(store: GalleryStore, engine:
 def test_settings_select_the_engine(monkeypatch: pytest.MonkeyPatch, store: GalleryStore, milvus_uri: str
                                     ) -> None:
     monkeypatch.setenv("FACEREC_GALLERY__BACKEND", "milvus")
-    with pytest.raises(SystemExit, match="FACEREC_GALLERY__MILVUS__URI"):
+    with pytest.raises(SystemExit, match="FACEREC_GALLERY__MILVUS_URI"):
         load_settings(Settings)
-    monkeypatch.setenv("FACEREC_GALLERY__MILVUS__URI", milvus_uri)
-    monkeypatch.setenv("FACEREC_GALLERY__MILVUS__PREFIX", "settings")
+    monkeypatch.setenv("FACEREC_GALLERY__MILVUS_URI", milvus_uri)
+    monkeypatch.setenv("FACEREC_GALLERY__MILVUS_PREFIX", "settings")
     monkeypatch.setenv("FACEREC_GALLERY__BATCH_WINDOW_MS", "2")
     settings = load_settings(Settings)
     gallery = open_gallery(store, settings)
