@@ -39,7 +39,7 @@ from bench.gallery_measure import CONCURRENCY, Row, Truth
 
 __all__ = ["Row", "benchmark_case", "document", "main", "result_table", "synthetic_faces"]
 from gallery.index import Vectors, genuine_probes
-from gallery.selection import exact_search
+from gallery.measures import exact_search
 
 K = 10
 PER_IDENTITY = 10

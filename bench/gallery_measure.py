@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gallery.batching import SearchBatcher
-from gallery.selection import decision_agreement, recall_at_k, recall_lower_bound
+from gallery.measures import decision_agreement, recall_at_k, recall_lower_bound
 
 K = 10
 CONCURRENCY = (1, 8, 32)

@@ -1,11 +1,14 @@
 """Searches that arrive together are made together: one engine call for concurrent requests.
 
 Like Triton's dynamic batcher: requests for one key (a collection) queue up; the first one to find the
-key idle becomes the *leader*, waits ``window_s`` (0, the default as in Triton: take whatever is queued
-now) and runs one search for every queued query, with the largest k asked; each request gets its own
-rows back, cut to its own k. Requests that arrive while that search runs queue for the next one, whose
-leader is the first of them. So a lone request pays nothing, and under load each engine call serves
-many requests: the scan of a million vectors is shared instead of repeated.
+key idle becomes the *leader*, waits ``window_s`` (0 by default, as Triton's queue delay) and runs one
+search for every queued query, with the largest k asked; each request gets its own rows back, cut to
+its own k. Requests that arrive while that search runs queue for the next one, whose leader is the
+first of them. A leader also waits, at most ``gather_s``, until as many requests are queued as the
+previous engine call carried: clients whose answers just came back send their next request within
+microseconds, and without that wait every other call would carry one query (the first to come back)
+instead of all of them. So a lone request pays nothing (the previous call carried one), and under load
+each engine call serves many requests: the scan of a million vectors is shared instead of repeated.
 """
 
 from __future__ import annotations
@@ -36,16 +39,21 @@ class _Request:
 
 @dataclass
 class _Queue:
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    lock: threading.Lock = field(default_factory=threading.Lock)
     waiting: list[_Request] = field(default_factory=list)
     busy: bool = False
+    last_size: int = 1  # requests the previous engine call carried
+
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition(self.lock)  # a request is done, or leads
+        self.arrived = threading.Condition(self.lock)  # a request was queued (for the gathering leader)
 
 
 class SearchBatcher:
-    def __init__(self, window_s: float = 0.0, max_queries: int = 512) -> None:
-        if window_s < 0 or max_queries < 1:
-            raise ValueError("the batching window must be >= 0 and max_queries >= 1")
-        self.window_s, self.max_queries = window_s, max_queries
+    def __init__(self, window_s: float = 0.0, max_queries: int = 512, gather_s: float = 0.002) -> None:
+        if window_s < 0 or gather_s < 0 or max_queries < 1:
+            raise ValueError("the batching windows must be >= 0 and max_queries >= 1")
+        self.window_s, self.max_queries, self.gather_s = window_s, max_queries, gather_s
         self._queues: dict[Hashable, _Queue] = {}
         self._lock = threading.Lock()
         #: engine calls made and queries they carried (for metrics and tests)
@@ -58,6 +66,7 @@ class SearchBatcher:
         request = _Request(queries, k)
         with queue.cond:
             queue.waiting.append(request)
+            queue.arrived.notify()
             if queue.busy:
                 queue.cond.wait_for(lambda: request.done or request.lead)
             else:
@@ -82,6 +91,8 @@ class SearchBatcher:
     def _lead(self, queue: _Queue, search: Search) -> None:
         if self.window_s:
             time.sleep(self.window_s)
+        with queue.cond:  # as many as last time, or gather_s at most
+            queue.arrived.wait_for(lambda: len(queue.waiting) >= queue.last_size, timeout=self.gather_s)
         batch = self._take(queue)
         try:
             k = max(r.k for r in batch)
@@ -97,6 +108,7 @@ class SearchBatcher:
         with queue.cond:
             self.calls += 1
             self.queries += sum(len(r.queries) for r in batch)
+            queue.last_size = len(batch)
             for r in batch:
                 r.done = True
             if queue.waiting:

@@ -63,13 +63,16 @@ class MilvusIndex:
     def identities(self) -> dict[int, int]:
         return {int(row["face_id"]): int(row["identity_id"]) for row in self._rows(["identity_id"])}
 
-    def add(self, face_ids: Ids, identity_ids: Ids, vectors: Vectors) -> None:
+    def add(self, face_ids: Ids, identity_ids: Ids, vectors: Vectors, fresh: bool = False) -> None:
+        """Upsert (replaying a change is harmless); ``fresh``: plain inserts into a new collection
+        (an upsert is a delete plus an insert: 100k x 512 took 521 s to upsert into milvus-lite)."""
+        write = self.client.insert if fresh else self.client.upsert
         for start in range(0, len(face_ids), INSERT_BATCH):
             stop = start + INSERT_BATCH
             rows = [{"face_id": int(f), "identity_id": int(i), "embedding": v.tolist()}
                     for f, i, v in zip(face_ids[start:stop], identity_ids[start:stop], vectors[start:stop],
                                        strict=True)]
-            self.client.upsert(self.name, rows)  # upsert: replaying a change is harmless
+            write(self.name, rows)
 
     def remove(self, face_ids: Ids) -> None:
         if len(face_ids):
@@ -178,7 +181,7 @@ class MilvusEngine:
         params.add_index("embedding", index_type=self.index_type, metric_type="IP", params=self.index_params)
         self.client.create_collection(name, schema=schema, index_params=params, consistency_level=STRONG)
         index = self._index(info)
-        index.add(ids, identities, vectors)
+        index.add(ids, identities, vectors, fresh=True)
         self.client.flush(name)
         self._write_state(info.id, 0, info.embedding_model, info.dimension)
         log.info("built Milvus collection %s: %d faces of %s", name, len(ids), info.name)

@@ -122,12 +122,17 @@ class RefinedIndex:
             return np.where(positions >= 0, rows[np.maximum(positions, 0)], -1)
 
         numbers = range(len(self._shards))
-        parts = list(self._pool.map(one, numbers)) if self._pool is not None else [one(n) for n in numbers]
+        # one query: the shards in parallel threads; a batch: one shard after the other, each spread
+        # over the cores by FAISS itself (OpenMP over queries), so the two never oversubscribe them
+        pool = self._pool if len(queries) < 2 * len(self._shards) else None
+        parts = list(pool.map(one, numbers)) if pool is not None else [one(n) for n in numbers]
         return np.concatenate(parts, axis=1)
 
     def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
         queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.d)
-        rows = self._candidates(queries, max(self.rerank, k))
+        # ``rerank`` candidates in all, split over the shards; each still gives k (the true top-k may
+        # all be in one shard)
+        rows = self._candidates(queries, max(k, -(-self.rerank // len(self._shards))))
         gathered = self._vectors[np.maximum(rows, 0)]  # [nq, candidates, d]
         scores = np.matmul(gathered, queries[:, :, None])[:, :, 0]
         scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
+import gallery.measures as measures
 import gallery.selection as selection
 from gallery.index import FaceIndex, IndexConfig, IndexKind
 from gallery.refine import RefinedIndex, pq4_fast_scan
@@ -66,7 +67,7 @@ def test_refined_index_scores_are_exact_and_round_trip() -> None:
     ids = np.arange(len(vectors), dtype=np.int64)
     index = RefinedIndex.train("pq4fs", 64, vectors, 2, rerank=64)
     index.add_with_ids(vectors, ids)
-    queries = selection.genuine_probes(vectors, 50, seed=3)
+    queries = measures.genuine_probes(vectors, 50, seed=3)
     scores, found = index.search(queries, 10)
     np.testing.assert_allclose(scores, np.einsum("qkd,qd->qk", vectors[found], queries), atol=1e-6)
     index.remove_ids(ids[:100])
@@ -91,18 +92,18 @@ def test_decision_agreement_counts_identities_unknowns_and_ties() -> None:
               np.array([[2], [4], [1], [1], [3]]))
     # 1: same identity via another face; 2: other identity (disagree); 3: both unknown at 0.5;
     # 4: a different face at exactly the same score (a tie: agree); 5: other identity, 0.55 vs 0.6
-    assert selection.decisions(*exact, identity_of, 0.5).tolist() == [10, 30, -1, 30, 40]
-    assert selection.decision_agreement(approx, exact, identity_of, 0.5) == pytest.approx(3 / 5)
+    assert measures.decisions(*exact, identity_of, 0.5).tolist() == [10, 30, -1, 30, 40]
+    assert measures.decision_agreement(approx, exact, identity_of, 0.5) == pytest.approx(3 / 5)
     # at 0.58 the fifth probe is "40" for exact and "unknown" for the approximate answer: still differs
-    assert selection.decision_agreement(approx, exact, identity_of, 0.58) == pytest.approx(3 / 5)
+    assert measures.decision_agreement(approx, exact, identity_of, 0.58) == pytest.approx(3 / 5)
     # at 0.95 everything is unknown: full agreement
-    assert selection.decision_agreement(approx, exact, identity_of, 0.95) == 1.0
+    assert measures.decision_agreement(approx, exact, identity_of, 0.95) == 1.0
 
 
 def test_agreement_bounds_leave_a_margin() -> None:
-    assert selection.proportion_lower_bound(1.0, 500) == 1.0
-    assert selection.proportion_lower_bound(1999 / 2000, 2000) < 0.999  # one miss in 2000 is not enough
-    assert selection.proportion_lower_bound(3999 / 4000, 4000) >= 0.999
+    assert measures.proportion_lower_bound(1.0, 500) == 1.0
+    assert measures.proportion_lower_bound(1999 / 2000, 2000) < 0.999  # one miss in 2000 is not enough
+    assert measures.proportion_lower_bound(3999 / 4000, 4000) >= 0.999
 
 
 def test_impostor_probes_follow_the_collection_distribution() -> None:
@@ -110,7 +111,7 @@ def test_impostor_probes_follow_the_collection_distribution() -> None:
     common = unit_vectors(rng, 1, 64)[0]
     faces = 0.4 * common + unit_vectors(rng, 5000, 64) * 0.9  # real embeddings share a direction
     faces = (faces / np.linalg.norm(faces, axis=1, keepdims=True)).astype(np.float32)
-    probes = selection.impostor_probes(faces, 500)
+    probes = measures.impostor_probes(faces, 500)
     pair = float(np.mean(np.sum(faces[:2500] * faces[2500:], axis=1)))
     probe = float(np.mean(probes @ faces[:500].T))
     assert pair > 0.1 and abs(probe - pair) < 0.05  # as similar to the gallery as its faces are to each other
@@ -144,11 +145,11 @@ def test_refined_candidate_is_chosen_and_holds_on_new_probes(kind: str, caplog: 
     def owner(face_ids: NDArray[np.int64]) -> NDArray[np.int64]:
         return np.array([identity_of.get(int(f), -1) for f in face_ids], np.int64)
 
-    held_out = (selection.genuine_probes(vectors, 300, seed=11), selection.impostor_probes(vectors, 500, 12))
+    held_out = (measures.genuine_probes(vectors, 300, seed=11), measures.impostor_probes(vectors, 500, 12))
     for probes in held_out:
-        exact = selection.exact_search(probes, vectors, ids, 10)
-        assert selection.decision_agreement(index.search(probes, 10), exact, owner, 0.363) >= 0.998
-        assert selection.recall_at_k(index.search(probes, 10)[1], exact[1]) >= 0.98
+        exact = measures.exact_search(probes, vectors, ids, 10)
+        assert measures.decision_agreement(index.search(probes, 10), exact, owner, 0.363) >= 0.998
+        assert measures.recall_at_k(index.search(probes, 10)[1], exact[1]) >= 0.98
 
 
 def test_a_candidate_short_of_impostor_agreement_is_refused(monkeypatch: pytest.MonkeyPatch,
