@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 # PyTorch is only needed to export PyTorch checkpoints (and their tests). This pin is the CPU wheel that
 # lies on the project's machines; elsewhere pick one from https://pytorch.org (any 2.4 <= v < 2.15).
 TORCH ?= torch==2.13.0
+# CompreFace's Python SDK for the compatibility tests, without its requests-toolbelt==0.9.1 pin (that version
+# cannot import beside urllib3 2, which tritonclient requires); the dev extra brings requests-toolbelt 1.x.
+COMPREFACE_SDK ?= compreface-sdk==0.6.0
 PORT ?= 8080
 TRITON_PORTS ?= 8000 8001 8002
 
@@ -22,6 +25,7 @@ $(VENV)/.runtime: pyproject.toml | $(PY)
 
 $(VENV)/.test: pyproject.toml $(VENV)/.runtime
 	$(PY) -m pip install --quiet '$(TORCH)' -e '.[server,cpu,dev,export,bench]'
+	$(PY) -m pip install --quiet --no-deps '$(COMPREFACE_SDK)'
 	touch $@
 
 setup: $(VENV)/.runtime

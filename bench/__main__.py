@@ -38,16 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import ceiling, naive, perf_analyzer, plain, report, stack
-from bench.common import (
-    ARTIFACTS,
-    PHOTOS,
-    REPOSITORY,
-    ROOT,
-    ServedModels,
-    machine_description,
-    served_models,
-)
-from export.fetch import fetch_photos
+from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
+from bench.core.reporting import machine_description
 from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
@@ -209,8 +201,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
         "naive intra-op threads": list(p.naive_threads),
         "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts],
         "perf_analyzer window ms": p.pa.measurement_ms})
-    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
-    photos = {name: paths[name].read_bytes() for name in p.photos}
+    photos = load_photos(p.photos)
     first = {p.photos[0]: photos[p.photos[0]]}  # naive, perf_analyzer and memory: the 1-face photo
     models = served_models(args.repository)
     out: Path = args.out
@@ -272,7 +263,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                 if p.memory_minutes > 0:
                     run_part(results, "memory", p.skip, do_memory)
         run_part(results, "gallery", p.skip, lambda: _gallery(results, out, p.gallery_args, folder))
-    results.machine = machine_description(f"tritonserver {version}" if version else "")
+    results.machine = machine_description(serving=True, triton=f"tritonserver {version}" if version else "")
     results.served = models.summary
     return results
 

@@ -44,12 +44,11 @@ import numpy as np
 
 import facecore.pipeline as pipeline_module
 from bench import plain as plain_part
-from bench.common import ARTIFACTS, PHOTOS, ServedModels, photo_label, served_models
-from bench.gallery import markdown_table
-from export.fetch import fetch_photos
+from bench.core.inputs import PHOTOS, ServedModels, load_photos, photo_label, served_models
+from bench.core.reporting import markdown_table
 from facecore.contract import Faces
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
-from facecore.pipeline import PipelineSettings, detector_input_size, run_pipeline
+from facecore.pipeline import NetworkInput, PipelineSettings, detector_input_size, network_input, run_pipeline
 from facecore.processing import (
     FloatArray,
     ImageArray,
@@ -57,7 +56,6 @@ from facecore.processing import (
     decode_image,
     letterbox,
     original_size,
-    to_tensor,
 )
 
 log = logging.getLogger(__name__)
@@ -105,14 +103,15 @@ def median_seconds(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def detector_input(data: bytes, settings: PipelineSettings) -> tuple[FloatArray, tuple[int, int]]:
-    """The photo as the detector sees it: [1, 3, H, W] and the input (width, height)."""
+def detector_input(data: bytes, settings: PipelineSettings) -> tuple[NetworkInput, tuple[int, int]]:
+    """The photo as the detector sees it (``network_input``: [1, 3, H, W] float, or [1, H, W, 3] uint8 for a
+    detector that normalizes inside its graph) and the input (width, height)."""
     image, _ = decode(data, settings)
     spec = settings.detector
     size = detector_input_size((image.shape[1], image.shape[0]), settings, settings.min_face_size)
     fill = spec.mean[::-1] if spec.swap_rb else spec.mean
     canvas, _ = letterbox(image, size[0], size[1], fill)
-    return to_tensor(canvas[None], spec.swap_rb, spec.mean, spec.std), size
+    return network_input(canvas[None], spec), size
 
 
 def face_crops(data: bytes, models: ServedModels, settings: PipelineSettings) -> ImageArray:
@@ -140,7 +139,7 @@ def embedder_sweep(models: ServedModels, settings: PipelineSettings, crops: Imag
     """Embedder ms per face at each batch size (the photo's aligned faces, tiled)."""
     session = create_session(models.embedder_file, threads)
     spec = settings.embedder
-    tensor = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
+    tensor = network_input(crops, spec)
     inputs = {b: np.resize(tensor, (b, *tensor.shape[1:])) for b in batches}
     return {b: 1000 * median_seconds(lambda b=b: session.run(list(spec.output_names),  # type: ignore[misc]
                                                              {spec.input_name: inputs[b]}), repeats) / b
@@ -527,10 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     models = served_models(args.repository) if args.repository else served_models()
-    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
     options = CeilingOptions(seconds=args.seconds, repeats=args.repeats, split_repeats=args.split_repeats,
                              fixed=not args.no_fixed)
-    photos = {name: paths[name].read_bytes() for name in args.photos}
+    photos = load_photos(args.photos)
     plain = None if args.no_plain else plain_part.prepare(models, photos).models
     results = run(models, photos, options, plain)
     print(document(results))

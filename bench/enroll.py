@@ -37,18 +37,16 @@ import cv2
 import numpy as np
 from numpy.typing import NDArray
 
-from bench.common import free_port
-from bench.gallery import machine_description, markdown_table, write_section
-from export.fetch import fetch_photos
+from bench.core.inputs import ARTIFACTS, REPOSITORY, ROOT, photo_paths
+from bench.core.reporting import machine_description, markdown_table, write_section
+from bench.core.triton import triton_url
 from facecore.client import AsyncPipelineClient
 from facecore.spec import ModelSpec
 from gallery.__main__ import open_store
 from gallery.db import Database
 from gallery.store import FaceInfo, GalleryStore, IdentityInfo, NewFace
 from recognition.importer import Importer, ImportItem, ImportOptions, Status
-from service.launcher import TritonPorts, TritonServer
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("obama.jpg", "obama2.jpg", "obama3.jpg", "biden.jpg")
 MIN_FACE = 90  # pixels: well above the quality gate's 40 after rescaling
 
@@ -292,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=200, help="distinct images to enroll (default: 200)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")
     parser.add_argument("--url", help="gRPC address of a running Triton (default: start the bundled one)")
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository" / "cpu")
+    parser.add_argument("--repository", type=Path, default=REPOSITORY)
     parser.add_argument("--database-url", help="also import into this database (e.g. PostgreSQL)")
     parser.add_argument("--per-identity", type=int, default=4, help="images per identity (default: 4)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported (default: 3)")
@@ -301,15 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    photos = fetch_photos(ROOT / "artifacts" / "downloads", ROOT / "artifacts" / "photos")
+    photos = photo_paths()
+    triton = (f"running server at {args.url}" if args.url else
+              f"bundled tritonserver, repository {args.repository.relative_to(ROOT)}")
     with ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-enroll-")))
-        url, triton = args.url, f"running server at {args.url}"
-        if url is None:
-            ports = TritonPorts(free_port(), free_port(), free_port())
-            log_file = ROOT / "artifacts" / "bench-enroll-tritonserver.log"
-            url = stack.enter_context(TritonServer(args.repository, ports, log_file=log_file)).grpc_url
-            triton = f"bundled tritonserver, repository {args.repository.relative_to(ROOT)}"
+        url = stack.enter_context(triton_url(args.url, args.repository,
+                                             ARTIFACTS / "bench-enroll-tritonserver.log"))
         databases: list[str | None] = [None, *([args.database_url] if args.database_url else [])]
         rounds = asyncio.run(benchmark(url, photos, folder, args.images, databases, args.concurrency,
                                        args.per_identity, args.repeats))

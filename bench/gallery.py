@@ -24,38 +24,27 @@ import gc
 import json
 import logging
 import math
-import os
-import platform
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 
-from gallery.index import (
-    FaceIndex,
-    IndexConfig,
-    IndexKind,
-    Vectors,
-    genuine_probes,
-    gpu_available,
-    recall_at_k,
-)
+from bench.core.inputs import ROOT
+from bench.core.reporting import MIB, fmt, machine_description, markdown_table, mib, write_section
+from gallery.index import FaceIndex, IndexConfig, IndexKind, Vectors, genuine_probes, recall_at_k
 
-ROOT = Path(__file__).resolve().parent.parent
 K = 10
 BATCH = 64
 PER_IDENTITY = 10
 GENUINE = 0.75
 PROBE_SEED = 1  # FaceIndex tunes nprobe on genuine_probes(seed=0): measure on other queries
-MIB = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +170,7 @@ class Row:
         if self.index == "ivf":
             return tried
         return (f"IVF refused → exact (IVF{self.nlist or '?'} up to nprobe {self.nprobe or '?'}: "
-                f"recall {_fmt(self.tuning_recall, 3)})")
+                f"recall {fmt(self.tuning_recall, 3)})")
 
 
 class _IvfLog(logging.Handler):
@@ -290,54 +279,9 @@ def benchmark_case(size: int, dimension: int, queries: int = 200) -> tuple[DataS
 # --- report ----------------------------------------------------------------------------------------
 
 
-def machine_description() -> str:
-    """CPU model, cores, memory, FAISS and numpy versions, and whether FAISS used a GPU."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
-    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
-    total = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.MULTILINE)
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpus = faiss.get_num_gpus() if gpu_available() else 0
-    return (f"{model.group(1).strip() if model else platform.processor() or 'unknown CPU'}, "
-            f"{os.cpu_count()} cores ({usable} usable), "
-            f"{int(total.group(1)) / 2**20 if total else float('nan'):.1f} GiB RAM, {platform.system()}; "
-            f"faiss {faiss.__version__} ({faiss.get_compile_options().strip()}; "
-            f"{faiss.omp_get_max_threads()} OpenMP threads), "
-            f"numpy {np.__version__}; "
-            f"GPU: {f'yes, {gpus} visible to FAISS' if gpus else 'none used (FAISS sees no GPU)'}")
-
-
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def write_section(path: Path, name: str, text: str) -> None:
-    """Replace this benchmark's section of a shared Markdown file (between markers), or append it."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    block = f"{start}\n{text.strip()}\n{end}\n"
-    current = path.read_text() if path.exists() else "# Gallery benchmarks\n\n"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.DOTALL)
-    if pattern.search(current):
-        updated = pattern.sub(lambda _: block, current, count=1)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + block
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(updated)
-
-
 COLUMNS = ("faces", "dim", "index", "build s", "query p50 ms", "query p99 ms", "q/s (batch 64)", "recall@10",
            "true match@10", "snapshot MiB", "MiB / 1M faces (snapshot / RSS)", "RSS Δ MiB",
            "build peak Δ MiB", "save s", "load s")
-
-
-def _fmt(value: float | None, digits: int) -> str:
-    return "—" if value is None else f"{value:,.{digits}f}"
-
-
-def _mib(value: int | None) -> str:
-    return "—" if value is None else f"{value / MIB:,.1f}"
 
 
 def result_table(rows: list[Row]) -> str:
@@ -345,11 +289,11 @@ def result_table(rows: list[Row]) -> str:
     for r in rows:
         per_million = "—" if r.snapshot_bytes is None or r.rss_delta_bytes is None else (
             f"{r.snapshot_bytes / r.size * 1e6 / MIB:,.0f} / {r.rss_delta_bytes / r.size * 1e6 / MIB:,.0f}")
-        lines.append((f"{r.size:,}", str(r.dimension), r.label, _fmt(r.build_s, 2), _fmt(r.p50_ms, 3),
-                      _fmt(r.p99_ms, 3), _fmt(r.batch_qps, 0), _fmt(r.recall_at_10, 4),
-                      _fmt(r.true_match_at_10, 4), _mib(r.snapshot_bytes), per_million,
-                      _mib(r.rss_delta_bytes), _mib(r.build_peak_bytes), _fmt(r.save_s, 2),
-                      _fmt(r.load_s, 2)))
+        lines.append((f"{r.size:,}", str(r.dimension), r.label, fmt(r.build_s, 2), fmt(r.p50_ms, 3),
+                      fmt(r.p99_ms, 3), fmt(r.batch_qps, 0), fmt(r.recall_at_10, 4),
+                      fmt(r.true_match_at_10, 4), mib(r.snapshot_bytes), per_million,
+                      mib(r.rss_delta_bytes), mib(r.build_peak_bytes), fmt(r.save_s, 2),
+                      fmt(r.load_s, 2)))
     return markdown_table(COLUMNS, lines)
 
 

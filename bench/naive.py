@@ -26,21 +26,11 @@ from typing import Any
 import httpx
 
 from bench import plain as plain_part
-from bench.common import (
-    ARTIFACTS,
-    PHOTOS,
-    LoadRow,
-    MultipartSender,
-    ServedModels,
-    Watched,
-    free_port,
-    run_load,
-    served_models,
-    start_server,
-    stop_server,
-)
-from bench.gallery import markdown_table
-from export.fetch import fetch_photos
+from bench.core.inputs import ARTIFACTS, PHOTOS, ServedModels, load_photos, served_models
+from bench.core.load import LoadRow, MultipartSender, run_load
+from bench.core.processes import Watched, free_port, start_server
+from bench.core.reporting import markdown_table
+from service.launcher import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +80,7 @@ def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
         _check_health(health, variant)
         yield NaiveServer(url, process.pid, threads, variant, health)
     finally:
-        stop_server(process)
+        stop_process(process)
 
 
 def measure_once(server: NaiveServer, name: str, data: bytes, concurrency: int, seconds: float) -> LoadRow:
@@ -204,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     models = served_models(args.repository) if args.repository else served_models()
-    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
-    rows = measure(models, {n: paths[n].read_bytes() for n in args.photos}, args.threads, args.concurrency,
+    rows = measure(models, load_photos(args.photos), args.threads, args.concurrency,
                    args.seconds, variants=args.variants)
     print(load_table(rows))
     if args.json:

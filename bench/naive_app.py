@@ -36,9 +36,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
-import onnx
 from fastapi import FastAPI, File, HTTPException, Request, UploadFile
 
+from export.sface import prelu_nodes
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.pipeline import PipelineSettings, run_pipeline
 from facecore.processing import ImageError, decode_image, original_size
@@ -58,10 +58,6 @@ class Models:
 VARIANTS = ("served", "plain")
 
 
-def prelu_nodes(path: str) -> int:
-    return sum(node.op_type == "PRelu" for node in onnx.load(path, load_external_data=False).graph.node)
-
-
 def load_models() -> Models:
     """ONNX Runtime sessions and settings from the environment (once, at start-up)."""
     settings = PipelineSettings.from_parameters(json.loads(os.environ["NAIVE_SETTINGS"]))
@@ -69,7 +65,7 @@ def load_models() -> Models:
     if variant not in VARIANTS:
         raise ValueError(f"NAIVE_VARIANT must be one of {VARIANTS}, not {variant!r}")
     embedder_file = os.environ["NAIVE_EMBEDDER_ONNX"]
-    prelu = prelu_nodes(embedder_file)
+    prelu = prelu_nodes(Path(embedder_file))
     if variant == "plain":
         settings = replace(settings, dynamic_input=False, decode_min_side=0)
         if prelu == 0:

@@ -32,15 +32,14 @@ import sys
 import time
 import zipfile
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.common import ARTIFACTS, PHOTOS, REPOSITORY, free_port
-from bench.gallery import markdown_table
-from export.fetch import Archive, download, fetch_photos
+from bench.core.inputs import ARTIFACTS, PHOTOS, REPOSITORY, load_photos
+from bench.core.reporting import markdown_table
+from bench.core.triton import triton_url
+from export.fetch import Archive, download
 from facecore.contract import Input
-from service.launcher import TritonPorts, TritonServer
 
 log = logging.getLogger(__name__)
 
@@ -284,16 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         wheel = ARTIFACTS / "downloads" / WHEEL.filename
         print(f"{binary} ({version(binary)}), wheel sha256 {hashlib.sha256(wheel.read_bytes()).hexdigest()}")
         return 0
-    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
     options = PaOptions(concurrency=args.concurrency, measurement_ms=args.measurement_ms)
-    with ExitStack() as stack:
-        url = args.url
-        if url is None:
-            ports = TritonPorts(free_port(), free_port(), free_port())
-            server = TritonServer(args.repository, ports, log_file=ARTIFACTS / "bench-pa-tritonserver.log")
-            url = stack.enter_context(server).grpc_url
+    photos = load_photos(args.photos)
+    with triton_url(args.url, args.repository, ARTIFACTS / "bench-pa-tritonserver.log") as url:
         began = time.perf_counter()
-        results = measure(url, {n: paths[n].read_bytes() for n in args.photos}, options)
+        results = measure(url, photos, options)
         log.info("perf_analyzer: %.0f s", time.perf_counter() - began)
     print(table(results))
     if args.json:

@@ -5,7 +5,7 @@
 
 Prints a Markdown table (and writes JSON with --json): latency percentiles at concurrency 1,
 throughput at concurrency 8, and Triton's own statistics (average batch size per model, queue time per
-request, compute time per execution from the batch statistics; ``bench.common.statistics_delta``).
+request, compute time per execution from the batch statistics; ``bench.core.triton.statistics_delta``).
 ``python -m bench`` runs the whole comparison (ceiling, naive baseline, REST and gRPC, perf_analyzer).
 """
 
@@ -15,17 +15,14 @@ import argparse
 import json
 import logging
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODELS, free_port, model_statistics, statistics_delta
-from bench.load import closed_loop
-from export.fetch import fetch_photos
+from bench.core.inputs import REPOSITORY, photo_paths
+from bench.core.load import closed_loop
+from bench.core.triton import MODELS, model_statistics, statistics_delta, triton_url
 from facecore.client import PipelineClient
-from service.launcher import TritonPorts, TritonServer
 
-ROOT = Path(__file__).resolve().parent.parent
 PHOTOS = {"1 face (obama.jpg, 910x1137)": "obama.jpg", "6 faces (t1.jpg, 1280x886)": "t1.jpg"}
 
 
@@ -58,19 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="gRPC address of a running Triton (default: start the bundled one)")
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository" / "cpu")
+    parser.add_argument("--repository", type=Path, default=REPOSITORY)
     parser.add_argument("--seconds", type=float, default=20.0, help="duration of each measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    photos = fetch_photos(ROOT / "artifacts" / "downloads", ROOT / "artifacts" / "photos")
-    with ExitStack() as stack:
-        url = args.url
-        if url is None:
-            ports = TritonPorts(free_port(), free_port(), free_port())
-            log_file = ROOT / "artifacts" / "bench-tritonserver.log"
-            url = stack.enter_context(TritonServer(args.repository, ports, log_file=log_file)).grpc_url
+    photos = photo_paths()
+    with triton_url(args.url, args.repository) as url:
         results = {
             label: {
                 str(c): measure(url, photos[name].read_bytes(), args.seconds, c) for c in args.concurrency

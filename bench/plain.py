@@ -6,10 +6,12 @@ image than a 640x640 letterbox) and SFace's PReLU is rewritten as ``Relu(x) - a 
 (``export.onnx_tools.rewrite_prelu``: fewer embedder ms per face in ONNX Runtime). The *plain* variant
 undoes both: the fixed 640x640 letterbox (``dynamic_input=False``, full-size JPEG decode) and SFace
 converted from the pinned int8 file with ``fold_weight_dequantization`` + ``make_batch_dynamic`` only
-(``artifacts/onnx/sface_2021dec.fp32.bdyn.112x112.prelu.onnx``, built once and reused).
+(``export.sface.convert_plain_sface`` -> ``artifacts/onnx/sface_2021dec.fp32.bdyn.112x112.prelu.onnx``,
+built once and reused).
 
-``prepare`` builds (or reuses) that file and proves it is the served network: its embeddings equal the
-served embedder's within ``TOLERANCE`` on real aligned faces (and their mirror images).
+``prepare`` builds (or reuses) that file and proves it is the served network
+(``export.sface.check_same_network``): its embeddings equal the served embedder's within ``TOLERANCE``
+on every face the served detector finds in the benchmark's photos (and their mirror images).
 """
 
 from __future__ import annotations
@@ -20,21 +22,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import onnx
 
-from bench.common import ARTIFACTS, ServedModels
-from export.onnx_tools import fold_weight_dequantization, make_batch_dynamic, save_checked
+from bench.core.inputs import ARTIFACTS, ServedModels
+from export.sface import (
+    PLAIN_FILE,
+    SHIPPED_FILE,
+    TOLERANCE,
+    check_same_network,
+    convert_plain_sface,
+    prelu_nodes,
+)
 from facecore.onnx_runtime import OnnxDetector, create_session
 from facecore.pipeline import PipelineSettings, detect
-from facecore.processing import ImageArray, align_faces, decode_image, to_tensor
+from facecore.processing import ImageArray, align_faces, decode_image
 
 log = logging.getLogger(__name__)
 
 #: The pinned int8 SFace (``python -m export defaults`` fetches it) and its conversion without the rewrite.
-SHIPPED_SFACE = ARTIFACTS / "onnx" / "sface_2021dec.int8bq.b1.112x112.onnx"
-PLAIN_EMBEDDER = ARTIFACTS / "onnx" / "sface_2021dec.fp32.bdyn.112x112.prelu.onnx"
-#: Largest |difference| allowed between the plain and the served embedder (as export.defaults allows).
-TOLERANCE = 1e-4
+SHIPPED_SFACE = ARTIFACTS / "onnx" / SHIPPED_FILE
+PLAIN_EMBEDDER = ARTIFACTS / "onnx" / PLAIN_FILE
 SERVED, PLAIN = "served", "plain"
 VARIANTS = (SERVED, PLAIN)
 
@@ -61,23 +67,6 @@ def plain_settings(settings: PipelineSettings) -> PipelineSettings:
     return replace(settings, dynamic_input=False, decode_min_side=0)
 
 
-def prelu_nodes(path: Path) -> int:
-    model = onnx.load(str(path), load_external_data=False)
-    return sum(node.op_type == "PRelu" for node in model.graph.node)
-
-
-def build_embedder(source: Path = SHIPPED_SFACE, target: Path = PLAIN_EMBEDDER) -> bool:
-    """Convert the shipped int8 SFace to fp32 with a dynamic batch, PReLU kept; False when ``target``
-    already exists (reused)."""
-    if target.exists():
-        return False
-    if not source.exists():
-        raise FileNotFoundError(f"{source} is missing: run `python -m export defaults` first")
-    log.info("converting %s -> %s (no PReLU rewrite)", source.name, target.name)
-    save_checked(make_batch_dynamic(fold_weight_dequantization(onnx.load(str(source)))), target)
-    return True
-
-
 def aligned_faces(models: ServedModels, photos: Mapping[str, bytes]) -> ImageArray:
     """Every face the served detector finds in ``photos``, aligned, plus each mirrored."""
     settings = models.settings
@@ -90,32 +79,21 @@ def aligned_faces(models: ServedModels, photos: Mapping[str, bytes]) -> ImageArr
     return np.concatenate([crops, crops[:, :, ::-1]])
 
 
-def max_difference(served: Path, plain: Path, crops: ImageArray, settings: PipelineSettings) -> float:
-    """Largest |difference| of the raw embeddings of the two files on the same batch."""
-    spec = settings.embedder
-    batch = to_tensor(crops, spec.swap_rb, spec.mean, spec.std)
-    outputs = [create_session(path, 1).run([spec.output_names[0]], {spec.input_name: batch})[0]
-               for path in (served, plain)]
-    return float(np.abs(outputs[0] - outputs[1]).max())
-
-
 def prepare(models: ServedModels, photos: Mapping[str, bytes], target: Path = PLAIN_EMBEDDER,
             source: Path = SHIPPED_SFACE) -> PlainModels:
     """Build (or reuse) the plain embedder and check it against the served one; raises when it is not
     the same network (no PReLU, or embeddings further apart than ``TOLERANCE``)."""
-    built = build_embedder(source, target)
+    built = convert_plain_sface(source, target)
     count = prelu_nodes(target)
     if count == 0:
         raise RuntimeError(f"{target} has no PRelu node: not the plain SFace conversion")
     crops = aligned_faces(models, photos)
-    if len(crops) == 0:
-        raise RuntimeError("no face found to compare the plain and the served embedder on")
-    difference = max_difference(models.embedder_file, target, crops, models.settings)
+    try:
+        difference = check_same_network(models.embedder_file, target, crops, models.settings.embedder)
+    except ValueError as exc:
+        raise RuntimeError(f"the plain embedder is not the served network: {exc}") from exc
     log.info("plain embedder %s: %d PRelu nodes, max |diff| %.2e vs the served one on %d faces",
              target.name, count, difference, len(crops))
-    if not difference <= TOLERANCE:
-        raise RuntimeError(f"{target.name} differs from the served embedder {models.embedder_file} by "
-                           f"{difference:.2e} (> {TOLERANCE:g}): not the same network")
     plain = replace(models, settings=plain_settings(models.settings), embedder_file=target,
                     summary=f"plain: fixed {'x'.join(map(str, models.settings.detector.input_size))} "
                             f"detector input, {target.name}")

@@ -36,30 +36,21 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.common import (
-    ARTIFACTS,
-    MIB,
-    PHOTOS,
-    REPOSITORY,
-    LoadRow,
-    MultipartSender,
+from bench.core.inputs import ARTIFACTS, PHOTOS, REPOSITORY, load_photos
+from bench.core.load import LoadRow, MultipartSender, closed_loop, run_load
+from bench.core.processes import (
     RssSampler,
     Watched,
-    find_process,
     free_port,
     process_label,
     process_tree,
     rss_bytes,
-    run_load,
     start_server,
-    stop_server,
-    triton_version,
 )
-from bench.gallery import markdown_table
-from bench.load import closed_loop
-from export.fetch import fetch_photos
+from bench.core.reporting import MIB, markdown_table
+from bench.core.triton import bundled_triton
 from facecore.client import PipelineClient
-from service.launcher import TritonPorts, TritonServer
+from service.launcher import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +97,12 @@ def running_stack(repository: Path = REPOSITORY, enroll: bytes | None = None,
                   log_dir: Path = ARTIFACTS) -> Iterator[Stack]:
     """Triton and the gateway on free ports, a collection with ``enroll`` (default obama2.jpg) enrolled."""
     if enroll is None:
-        enroll = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")[ENROLLED].read_bytes()
-    ports = TritonPorts(free_port(), free_port(), free_port())
-    server = TritonServer(repository, ports, log_file=log_dir / "bench-stack-tritonserver.log")
+        enroll = load_photos([ENROLLED])[ENROLLED]
+    server = bundled_triton(repository, log_dir / "bench-stack-tritonserver.log")
     with server, tempfile.TemporaryDirectory(prefix="bench-stack-") as folder:
-        triton_pid = find_process(f"shm-region-prefix-name={server.shm_prefix}", "tritonserver")
+        triton_pid = server.pid
         if triton_pid is None:
-            raise RuntimeError("tritonserver is running but its process was not found in /proc")
+            raise RuntimeError("tritonserver exited right after it became ready")
         workdir = Path(folder)
         admin_key, port = secrets.token_urlsafe(24), free_port()
         env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": admin_key,
@@ -124,10 +114,9 @@ def running_stack(repository: Path = REPOSITORY, enroll: bytes | None = None,
         gateway = start_server(command, env, log_dir / "bench-gateway.log", f"{url}/health/ready")
         try:
             key = setup_collection(url, admin_key, enroll)
-            yield Stack(server.grpc_url, server.http_url, triton_pid, url, gateway.pid, key,
-                        triton_version(server.http_url))
+            yield Stack(server.grpc_url, server.http_url, triton_pid, url, gateway.pid, key, server.version())
         finally:
-            stop_server(gateway)
+            stop_process(gateway)
 
 
 def identify_sender(stack: Stack, name: str, data: bytes) -> MultipartSender:
@@ -310,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    paths = fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
-    photos = {n: paths[n].read_bytes() for n in args.photos}
+    photos = load_photos(args.photos)
     memory = None
     with running_stack(args.repository) as stack:
         rows = measure(stack, photos, args.concurrency, args.seconds)

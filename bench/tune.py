@@ -22,16 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.common import free_port
-from bench.load import closed_loop
+from bench.core.inputs import ARTIFACTS, REPOSITORY, load_photos
+from bench.core.load import closed_loop
+from bench.core.triton import bundled_triton
 from export.defaults import prepare_default_models
-from export.fetch import fetch_photos
 from export.profiles import TUNING_DIR, Profile, ProfileTuning
 from export.repository import RepositoryPlan, write_repository
 from facecore.client import PipelineClient
-from service.launcher import TritonPorts, TritonServer
 
-ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("bench.tune")
 
 
@@ -106,13 +104,12 @@ DIMENSIONS: dict[str, dict[str, Mutation]] = {
 
 
 def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: float, work: Path) -> Trial:
-    models = prepare_default_models(ROOT / "artifacts")
+    models = prepare_default_models(ARTIFACTS)
     with tempfile.TemporaryDirectory(dir=work) as folder:
         repository = Path(folder) / "cpu"
         plan = RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=tuning)
         write_repository(plan, repository, models.detector_file, models.embedder_file)
-        ports = TritonPorts(free_port(), free_port(), free_port())
-        with TritonServer(repository, ports, log_file=work / "tune-tritonserver.log") as server:
+        with bundled_triton(repository, work / "tune-tritonserver.log") as server:
             client = PipelineClient(server.grpc_url)
             counter = {"i": 0}
 
@@ -171,9 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("service.launcher", "export"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    photos = fetch_photos(ROOT / "artifacts" / "downloads", ROOT / "artifacts" / "photos")
-    payloads = [photos[n].read_bytes() for n in ("obama.jpg", "t1.jpg", "obama2.jpg", "biden.jpg")]
-    work = ROOT / "artifacts" / "tune"
+    payloads = list(load_photos(("obama.jpg", "t1.jpg", "obama2.jpg", "biden.jpg")).values())
+    work = ARTIFACTS / "tune"
     work.mkdir(parents=True, exist_ok=True)
     best, trials = sweep(ProfileTuning.default(Profile.CPU), payloads, args.seconds, args.budget_ms,
                          args.margin, work)
@@ -186,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         recorded = json.loads(best.tuning.to_json())
         recorded["note"] = f"chosen by `python -m bench.tune --budget-ms {args.budget_ms:.0f}`: {best.name}"
         (TUNING_DIR / "cpu.json").write_text(json.dumps(recorded, indent=2) + "\n")
-        models = prepare_default_models(ROOT / "artifacts")
+        models = prepare_default_models(ARTIFACTS)
         plan = RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=best.tuning)
-        write_repository(plan, ROOT / "model_repository" / "cpu", models.detector_file, models.embedder_file)
+        write_repository(plan, REPOSITORY, models.detector_file, models.embedder_file)
         print(f"recorded in {TUNING_DIR / 'cpu.json'} and model_repository/cpu")
     return 0
 

@@ -2,10 +2,11 @@
 
 The embedder alone, on the same aligned crops: cosine >= 0.999 on every face. The whole pipeline with
 the served detector (uint8 input, the candidate runtime and precision) against the fp32 reference: the
-same faces found, box IoU >= 0.95, embedding cosine >= 0.99 on every face, and identical same/different
-decisions between every pair of faces. The test photos are checked as they are and downscaled (0.5x,
-0.3x), so that small faces — where reduced precision moves landmarks most — are part of it. A precision
-that fails is not used; the export logs why and records every check beside the model.
+same faces found, box IoU >= 0.95, embedding cosine >= 0.99 on every face, and identical decisions —
+same/different between every pair of faces, the face that enrollment with ``face=largest`` takes in
+every image, and the quality gate's verdict on every face. The test photos are checked as they are and
+downscaled (0.5x, 0.3x), so that small faces — where reduced precision moves landmarks most — are part
+of it. A precision that fails is not used; the export logs why and records every check beside the model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from facecore.contract import Faces
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.pipeline import PipelineSettings, run_pipeline
 from facecore.processing import ImageArray, decode_image, to_tensor
+from facecore.quality import QualityThresholds, assess
 from facecore.runtimes import Runtime, RuntimeChoice, detector, embedder
 from facecore.spec import ModelSpec
 
@@ -54,13 +56,19 @@ class PrecisionCheck:
                 f"worst cosine {self.worst_cosine:.5f}, worst box IoU {self.worst_iou:.4f}")
 
 
-def check_images(photos: dict[str, Path]) -> list[ImageArray]:
-    """The test photos (faceless ones too: no face must appear) at every scale of ``SCALES``."""
-    images = [decode_image(path.read_bytes(), 10**8) for name, path in sorted(photos.items())
-              if name.endswith((".jpg", ".png")) and not name.startswith("Tom_Hanks")]
-    return [image if scale == 1.0 else
-            np.asarray(cv2.resize(image, None, fx=scale, fy=scale, interpolation=cv2.INTER_AREA), np.uint8)
-            for image in images for scale in SCALES]
+def check_images(photos: dict[str, Path], decode_min_side: int = 0) -> list[ImageArray]:
+    """The test photos (faceless ones too: no face must appear) at every scale of ``SCALES``, and, for
+    JPEGs the pipeline decodes at reduced size (``decode_min_side``), as it decodes them."""
+    data = [path.read_bytes() for name, path in sorted(photos.items())
+            if name.endswith((".jpg", ".png")) and not name.startswith("Tom_Hanks")]
+    images = [decode_image(d, 10**8) for d in data]
+    scaled = [image if scale == 1.0 else
+              np.asarray(cv2.resize(image, None, fx=scale, fy=scale, interpolation=cv2.INTER_AREA), np.uint8)
+              for image in images for scale in SCALES]
+    if not decode_min_side:
+        return scaled
+    served = [decode_image(d, 10**8, decode_min_side) for d in data]
+    return scaled + [s for s, full in zip(served, images, strict=True) if s.shape != full.shape]
 
 
 def _iou(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> float:
@@ -75,6 +83,17 @@ def _decisions(embeddings: np.ndarray[Any, Any], threshold: float) -> np.ndarray
     return np.asarray(embeddings @ embeddings.T >= threshold)
 
 
+def _enrollment_decisions(faces: Sequence[Faces]) -> list[tuple[int, list[list[str]]]]:
+    """Per image: the largest face's index and each face's quality-gate rejections (default gate)."""
+    gate = QualityThresholds()
+    out = []
+    for f in faces:
+        verdicts = [[r.value for r in assess(f.boxes[i], f.landmarks[i], float(f.blur[i]),
+                                             float(f.scores[i])).rejections(gate)] for i in range(len(f))]
+        out.append((int(np.argmax(f.areas())) if len(f) else -1, verdicts))
+    return out
+
+
 def compare_pipelines(reference: Sequence[Faces], candidate: Sequence[Faces], threshold: float,
                       network: str, choice: RuntimeChoice) -> PrecisionCheck:
     same_faces = all(len(r) == len(c) for r, c in zip(reference, candidate, strict=True))
@@ -87,11 +106,13 @@ def compare_pipelines(reference: Sequence[Faces], candidate: Sequence[Faces], th
     cand_all = np.concatenate([c.embeddings for c in candidate]) if same_faces else np.zeros((0, 1))
     same_decisions = same_faces and bool(np.array_equal(_decisions(ref_all, threshold),
                                                         _decisions(cand_all, threshold)))
+    same_decisions = same_decisions and _enrollment_decisions(reference) == _enrollment_decisions(candidate)
     worst_cosine, worst_iou = min(cosines, default=0.0), min(ious, default=0.0)
     reasons = [text for failed, text in (
         (not same_faces, "other faces found"), (worst_iou < BOX_IOU, f"box IoU {worst_iou:.4f} < {BOX_IOU}"),
         (worst_cosine < PIPELINE_COSINE, f"cosine {worst_cosine:.5f} < {PIPELINE_COSINE}"),
-        (not same_decisions, "a same/different decision changed")) if failed]
+        (not same_decisions, "a decision changed (same/different, largest face or quality gate)"))
+        if failed]
     return PrecisionCheck(network, choice.runtime.value, choice.precision, not reasons, len(cosines),
                           worst_cosine, worst_iou, same_faces, same_decisions, "; ".join(reasons))
 
@@ -162,7 +183,7 @@ def first_passing(candidates: Sequence[str], check: Callable[[RuntimeChoice], Pr
     raise RuntimeError("no precision passed the accuracy check: " + "; ".join(c.summary() for c in checks))
 
 
-CHECK_VERSION = 1
+CHECK_VERSION = 2
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 
@@ -185,7 +206,8 @@ def _cache_key(*parts: str) -> str:
 
 def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], served_detector: Path,
                       served_spec: ModelSpec, choice: RuntimeChoice, detector_setting: str,
-                      embedder_setting: str, artifacts: Path = ARTIFACTS) -> dict[str, PrecisionCheck]:
+                      embedder_setting: str, decode_min_side: int = 0, artifacts: Path = ARTIFACTS
+                      ) -> dict[str, PrecisionCheck]:
     """The precision each network will run at, by the checks above (cached under ``artifacts``)."""
     import openvino
 
@@ -195,13 +217,14 @@ def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], 
     det_spec, det_file, emb_spec, emb_file = reference_files
     key = _cache_key(str(CHECK_VERSION), sha256_of(served_detector), sha256_of(emb_file),
                      openvino.__version__, ",".join(_wanted(detector_setting)),
-                     ",".join(_wanted(embedder_setting)), choice.runtime)
+                     ",".join(_wanted(embedder_setting)), choice.runtime, str(decode_min_side))
     cached = artifacts / "precision" / f"{key}.json"
     if cached.exists():
         checks = [PrecisionCheck(**c) for c in json.loads(cached.read_text())]
     else:
         photos = fetch_photos(artifacts / "downloads", artifacts / "photos")
-        reference = Reference.build(det_spec, det_file, emb_spec, emb_file, check_images(photos))
+        reference = Reference.build(det_spec, det_file, emb_spec, emb_file,
+                                    check_images(photos, decode_min_side))
         _, detector_checks = first_passing(
             _wanted(detector_setting), lambda c: check_detector(reference, served_spec, served_detector, c),
             choice)

@@ -43,6 +43,9 @@ from facecore.spec import InputLayout, ModelSpec
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent.parent / "model_repository"
+#: face_pipeline's queue is bounded: beyond it Triton refuses at once and gateways answer 503 overloaded
+#: (each gateway also sheds beyond FACEREC_LIMITS__MAX_IN_FLIGHT).
+PIPELINE_MAX_QUEUE = 64
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ def _config_type(tensor: TensorSpec) -> int:
 def _pipeline_config(plan: RepositoryPlan, settings: PipelineSettings) -> mc.ModelConfig:
     config = _base_config(PIPELINE_MODEL, plan.effective_tuning.pipeline, mc.ModelInstanceGroup.KIND_CPU)
     config.backend = "python"
+    config.dynamic_batching.default_queue_policy.max_queue_size = PIPELINE_MAX_QUEUE
+    config.dynamic_batching.default_queue_policy.timeout_action = mc.ModelQueuePolicy.REJECT
     for tensor in pipeline_inputs():
         config.input.add(name=tensor.name, data_type=_config_type(tensor), dims=tensor.dims,
                          optional=tensor.optional)
@@ -194,8 +199,9 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
         if plan.profile is Profile.CPU and tuning.runtime == Runtime.OPENVINO:
             reference = (plan.detector, detector_file, plan.embedder, embedder_file)
             choice = RuntimeChoice(Runtime.OPENVINO, "f32", tuning.detector_threads)
+            decode_min_side = int(tuning.pipeline_options.get("decode_min_side", "0"))
             checks = choose_precisions(reference, served_file, detector, choice, tuning.detector_precision,
-                                       tuning.embedder_precision)
+                                       tuning.embedder_precision, decode_min_side)
         base = PipelineSettings(
             detector=replace(detector, onnx=""), embedder=replace(plan.embedder, onnx=""),
             detector_max_batch=tuning.detector.max_batch_size,

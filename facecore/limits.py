@@ -20,6 +20,9 @@ class Limits:
     request_timeout_s: float = 30.0
     #: Largest top-k a caller may ask for.
     max_k: int = 100
+    #: Recognition requests (detect, identify, enroll, verify) inside one gateway at once; beyond, 503
+    #: ``overloaded`` with Retry-After instead of a queue that grows.
+    max_in_flight: int = 32
 
 
 DEFAULT_LIMITS = Limits()

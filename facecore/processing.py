@@ -100,8 +100,14 @@ def decode_image(data: bytes, max_pixels: int, min_side: int = 0) -> ImageArray:
 
     With ``min_side`` > 0, a JPEG is decoded at 1/2, 1/4 or 1/8 scale (the DCT does the reduction,
     much cheaper than a full decode) as long as its longer side stays >= ``min_side``. Coordinates are
-    then in the reduced image: callers that need original pixels use ``decoded_scale``.
+    then in the reduced image: ``decode_sized`` also returns the original size.
     """
+    return decode_sized(data, max_pixels, min_side)[0]
+
+
+def decode_sized(data: bytes, max_pixels: int, min_side: int = 0) -> tuple[ImageArray, tuple[int, int]]:
+    """``decode_image`` and the (width, height) of the full-size image, EXIF rotation included, from one
+    parse of the header."""
     fmt, width, height = image_header(data, max_pixels)
     factor = 1
     if min_side > 0 and fmt == "JPEG":
@@ -110,7 +116,9 @@ def decode_image(data: bytes, max_pixels: int, min_side: int = 0) -> ImageArray:
     image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flags)
     if image is None or image.size == 0:
         raise ImageError("corrupt image data: the decoder could not read the pixels")
-    return np.ascontiguousarray(image)
+    portrait = image.shape[0] > image.shape[1]
+    rotated = portrait != (height > width) and width != height  # EXIF orientation swapped the axes
+    return np.ascontiguousarray(image), ((height, width) if rotated else (width, height))
 
 
 def original_size(data: bytes, decoded: ImageArray) -> tuple[int, int]:

@@ -74,6 +74,9 @@ class LimitSettings(BaseModel):
                                   description="images per batch identify or enroll call")
     request_timeout_s: float = Field(_LIMITS.request_timeout_s, gt=0, description="504 after this")
     max_k: int = Field(_LIMITS.max_k, gt=0, description="largest top-k a caller may ask for")
+    max_in_flight: int = Field(_LIMITS.max_in_flight, gt=0,
+                               description="recognition requests in the gateway at once; beyond, "
+                                           "503 overloaded")
 
 
 class QualitySettings(BaseModel):
@@ -90,6 +93,12 @@ class QualitySettings(BaseModel):
         return QualityThresholds(**self.model_dump())
 
 
+class DeepStackSettings(BaseModel):
+    """The DeepStack-compatible face API (``/v1/vision/face/...``) serves one collection."""
+
+    collection: str = Field("", description="collection the DeepStack API serves (empty: the API is off)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FACEREC_", env_nested_delimiter="__", extra="ignore")
 
@@ -98,6 +107,7 @@ class Settings(BaseSettings):
     gallery: GallerySettings = GallerySettings()
     limits: LimitSettings = LimitSettings()
     quality: QualitySettings = QualitySettings()
+    deepstack: DeepStackSettings = DeepStackSettings()
     log_json: bool = Field(False, description="one JSON object per log line (the container images set true)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     # The parts of a PostgreSQL URL (used when FACEREC_DATABASE__URL is not set).

@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from facecore.client import AsyncPipelineClient, PipelineClient
 from facecore.settings import Settings, load_settings
@@ -60,42 +61,58 @@ def _create_collection(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from recognition.importer import (
-        Importer,
-        ImportOptions,
-        ItemResult,
-        read_manifest,
-        scan_folder,
-        write_report,
-    )
+    from recognition.importer import ItemResult, read_manifest, scan_folder, write_report
 
-    store = open_store(args.database_url)
     items = scan_folder(args.folder) if args.folder else read_manifest(args.manifest)
     quality = replace(args.settings.quality.thresholds(), min_face_size=args.min_face_size,
                       min_blur=args.min_blur)
-
-    async def run() -> list[ItemResult]:
-        client = AsyncPipelineClient(args.url, args.settings.triton.timeout_s)
-        try:
-            spec = await client.embedder()
-            try:
-                store.get_collection(args.collection)
-            except GalleryError:
-                if not args.create_collection:
-                    raise
-                store.create_collection(args.collection, spec.name, spec.embedding_dim, spec.match_threshold)
-            options = ImportOptions(args.collection, spec.name, args.concurrency, args.dry_run,
-                                    args.largest_face, quality)
-            return await Importer(store, client, options).run(items, show_progress=not args.quiet)
-        finally:
-            await client.close()
-
-    results = asyncio.run(run())
+    if args.api and not args.key:
+        raise ValueError("--api needs --key (a key of the collection, or the admin key)")
+    run = _import_rest if args.api else _import_local
+    results: list[ItemResult] = asyncio.run(run(args, items, quality))
     if args.report:
         write_report(results, args.report)
     counts = Counter(r.status.value for r in results)
     print(", ".join(f"{status}: {count}" for status, count in sorted(counts.items())) or "nothing to import")
     return 1 if counts.get("failed") else 0
+
+
+async def _import_local(args: argparse.Namespace, items: list[Any], quality: Any) -> list[Any]:
+    """Straight to Triton (gRPC) and the database."""
+    from recognition.importer import Importer, ImportOptions
+
+    store = open_store(args.database_url)
+    client = AsyncPipelineClient(args.url, args.settings.triton.timeout_s)
+    try:
+        spec = await client.embedder()
+        try:
+            store.get_collection(args.collection)
+        except GalleryError:
+            if not args.create_collection:
+                raise
+            store.create_collection(args.collection, spec.name, spec.embedding_dim, spec.match_threshold)
+        options = ImportOptions(args.collection, spec.name, args.concurrency, args.dry_run,
+                                args.largest_face, quality)
+        return await Importer(store, client, options).run(items, show_progress=not args.quiet)
+    finally:
+        await client.close()
+
+
+async def _import_rest(args: argparse.Namespace, items: list[Any], quality: Any) -> list[Any]:
+    """Through a deployed stack's REST API with a key (the server's quality gate applies)."""
+    from recognition.importer import Importer, ImportOptions
+    from recognition.rest_import import ApiFailure, RestBackend
+
+    options = ImportOptions(args.collection, "", args.concurrency, args.dry_run, args.largest_face, quality)
+    backend = RestBackend(args.api, args.key, options, args.settings.limits.request_timeout_s * 2)
+    try:
+        info = await backend.ensure_collection(args.create_collection)
+        options = replace(options, embedding_model=info["embedding_model"])
+        return await Importer(None, None, options, backend).run(items, show_progress=not args.quiet)
+    except ApiFailure as exc:  # the key, the collection, the server: nothing to report per file
+        raise ValueError(f"{args.api}: {exc}") from exc
+    finally:
+        await backend.close()
 
 
 def _rebuild(args: argparse.Namespace) -> int:
@@ -166,7 +183,11 @@ def parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     source.add_argument("--folder", type=Path)
     source.add_argument("--manifest", type=Path, help="CSV with columns path,external_id,name")
     _triton_argument(p, settings)
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight to Triton (default: 8)")
+    p.add_argument("--api", metavar="URL", help="import through a deployed stack's REST API (e.g. "
+                   "http://host:8080) instead of Triton and the database")
+    p.add_argument("--key", help="with --api: a key of the collection (the admin key to --create-collection)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight to Triton or the API (default: 8)")
     p.add_argument("--dry-run", action="store_true", help="detect and check every image, write nothing")
     p.add_argument("--report", type=Path, help="per-file report (.csv or .json)")
     p.add_argument("--largest-face", action="store_true", help="enroll the largest face of group photos")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,9 +266,11 @@ class Gallery:
         return self._entry(collection).info
 
     def search(self, collection: str, queries: ArrayLike, k: int = 5, threshold: float | None = None,
-               embedding_model: str | None = None) -> list[SearchResult]:
+               embedding_model: str | None = None, exclude: AbstractSet[int] = frozenset()
+               ) -> list[SearchResult]:
         """Top-k identities (best face each) per query, with the match decision at ``threshold``
-        (default: the collection's). With ``embedding_model``, queries of another model are refused."""
+        (default: the collection's). With ``embedding_model``, queries of another model are refused.
+        Faces whose ids are in ``exclude`` are left out (search by a stored face)."""
         if k < 1:
             raise ValueError("k must be >= 1")
         entry = self._entry(collection)
@@ -276,23 +279,23 @@ class Gallery:
             check_model(info, embedding_model)
         matrix = validate_embeddings(queries, info.dimension)
         with self._lock:
-            best = [self._best_identities(entry, query, k) for query in matrix]
+            best = [self._best_identities(entry, query, k, exclude) for query in matrix]
         labels = self.store.identity_labels(i for row in best for i, _, _ in row)
         limit = info.match_threshold if threshold is None else float(threshold)
         return [SearchResult([Candidate(i, *labels.get(i, ("", "")), score=s, face_id=f) for i, s, f in row
                               if i in labels], limit) for row in best]
 
-    def _best_identities(self, entry: _Collection, query: NDArray[np.float32], k: int
-                         ) -> list[tuple[int, float, int]]:
+    def _best_identities(self, entry: _Collection, query: NDArray[np.float32], k: int,
+                         exclude: AbstractSet[int] = frozenset()) -> list[tuple[int, float, int]]:
         """Exact per-identity aggregation: widen the face search until k identities are certain."""
         total = len(entry.index)
-        fetch = min(total, max(4 * k, 32))
+        fetch = min(total, max(4 * k, 32) + len(exclude))
         while True:
             scores, ids = entry.index.search(query[None], fetch)
             best: dict[int, tuple[float, int]] = {}
             for score, face_id in zip(scores[0].tolist(), ids[0].tolist(), strict=True):
                 identity = entry.identity_of.get(face_id)
-                if face_id >= 0 and identity is not None and identity not in best:
+                if face_id >= 0 and identity is not None and identity not in best and face_id not in exclude:
                     best[identity] = (score, face_id)
             if len(best) >= k or fetch >= total:
                 ranked = sorted(best.items(), key=lambda item: (-item[1][0], item[0]))[:k]

@@ -1,6 +1,10 @@
 """The enrollment rules, in one place: which face of an image is enrolled, the quality gate, the
-stored crop, and the ``NewFace`` handed to the store. The REST route and the importer both call
-``enrollable_face``; a refusal is a ``Refused`` with a stable code."""
+stored crop, and the ``NewFace`` handed to the store. The REST routes (v1, CompreFace, DeepStack) and the
+importer all call ``enrollable_face``; a refusal is a ``Refused`` with a stable code.
+
+The obvious face is taken: faces too small to ever pass the quality gate (shorter side below
+``min_face_size``) do not make an image "several faces"; every face not enrolled is reported with why.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,33 @@ class FaceChoice(StrEnum):
 
     ONLY = "only"
     LARGEST = "largest"
+
+
+class IgnoreReason(StrEnum):
+    """Why a detected face of an enrolled image was not the one enrolled."""
+
+    FACE_TOO_SMALL = "face_too_small"  # below the quality gate's minimum size: it could never be enrolled
+    NOT_LARGEST = "not_largest"  # face=largest took a bigger one
+    OUTSIDE_BOX = "outside_box"  # a box chose another face
+
+
+@dataclass(frozen=True)
+class IgnoredFace:
+    image: int  # index of the image in the request (0 for a single image)
+    box: list[float]
+    reason: IgnoreReason
+
+
+@dataclass(frozen=True)
+class Chosen:
+    index: int
+    ignored: tuple[IgnoredFace, ...] = ()
+
+
+@dataclass(frozen=True)
+class Enrollable:
+    face: NewFace
+    ignored: tuple[IgnoredFace, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,22 +90,36 @@ def _where(image: int | None) -> tuple[str, dict[str, object]]:
     return ("image", {}) if image is None else (f"images[{image}]", {"image": image})
 
 
-def choose_face(faces: Faces, rules: EnrollmentRules, image: int | None = None) -> int:
-    """The index of the face to enroll; ``Refused`` with no_face, no_face_in_box or several_faces."""
+def _ignored(faces: Faces, keep: int, reasons: dict[int, IgnoreReason], image: int | None) -> tuple[
+        IgnoredFace, ...]:
+    return tuple(IgnoredFace(image or 0, faces.boxes[i].round(1).tolist(), reasons[i])
+                 for i in range(len(faces)) if i != keep)
+
+
+def choose_face(faces: Faces, rules: EnrollmentRules, image: int | None = None) -> Chosen:
+    """The face to enroll and the others with why they were left; ``Refused`` with no_face,
+    no_face_in_box or several_faces (only faces that could pass the minimum size count as several)."""
     label, where = _where(image)
     if len(faces) == 0:
         raise Refused(f"{label}: no face found", "no_face", **where)
-    boxes = faces.boxes.round(1).tolist()
     if rules.box is not None:
         overlaps = box_iou(np.asarray(rules.box, np.float32), faces.boxes)
         if overlaps.max() < MIN_BOX_OVERLAP:
             raise Refused(f"{label}: no detected face overlaps the given box", "no_face_in_box",
-                          **where, boxes=boxes)
-        return int(np.argmax(overlaps))
-    if len(faces) > 1 and rules.choice is FaceChoice.ONLY:
-        raise Refused(f"{label}: {len(faces)} faces; pass face=largest or a box", "several_faces",
-                      **where, boxes=boxes)
-    return 0 if len(faces) == 1 else largest(faces)
+                          **where, boxes=faces.boxes.round(1).tolist())
+        chosen = int(np.argmax(overlaps))
+        return Chosen(chosen, _ignored(faces, chosen, dict.fromkeys(range(len(faces)),
+                                                                     IgnoreReason.OUTSIDE_BOX), image))
+    sides = np.minimum(faces.boxes[:, 2] - faces.boxes[:, 0], faces.boxes[:, 3] - faces.boxes[:, 1])
+    big = [i for i in range(len(faces)) if sides[i] >= rules.quality.min_face_size]
+    if len(big) > 1 and rules.choice is FaceChoice.ONLY:
+        raise Refused(f"{label}: {len(big)} faces; pass face=largest or a box", "several_faces",
+                      **where, boxes=faces.boxes[big].round(1).tolist())
+    # One face that can pass the size gate, or the largest (with none: the gate refuses it, face_too_small).
+    chosen = big[0] if len(big) == 1 else largest(faces)
+    reasons = {i: IgnoreReason.NOT_LARGEST if i in big else IgnoreReason.FACE_TOO_SMALL
+               for i in range(len(faces))}
+    return Chosen(chosen, _ignored(faces, chosen, reasons, image))
 
 
 def crop_png(faces: Faces, index: int) -> bytes | None:
@@ -99,6 +144,8 @@ def accept_face(faces: Faces, index: int, digest: str, rules: EnrollmentRules, i
                    quality.as_dict(), crop_png(faces, index))
 
 
-def enrollable_face(faces: Faces, data: bytes, rules: EnrollmentRules, image: int | None = None) -> NewFace:
+def enrollable_face(faces: Faces, data: bytes, rules: EnrollmentRules, image: int | None = None
+                    ) -> Enrollable:
     """Choose the face of one image and pass it through the quality gate."""
-    return accept_face(faces, choose_face(faces, rules, image), image_sha256(data), rules, image)
+    chosen = choose_face(faces, rules, image)
+    return Enrollable(accept_face(faces, chosen.index, image_sha256(data), rules, image), chosen.ignored)

@@ -1,9 +1,13 @@
 """Batch gallery import: a folder tree (one subfolder per identity) or a CSV manifest.
 
-Images go through ``face_pipeline`` on Triton with bounded concurrency (enough requests in flight
-to keep the dynamic batcher busy); each identity is enrolled in ONE transaction once all its
-images are processed, so a failure never leaves a half-enrolled identity. Images whose sha256 is
-already in the collection are skipped, which makes an interrupted import resumable.
+Images go through ``face_pipeline`` with bounded concurrency (enough requests in flight to keep the
+dynamic batcher busy); each identity is enrolled in ONE transaction once all its images are processed,
+so a failure never leaves a half-enrolled identity. Images whose sha256 is already in the collection are
+skipped, which makes an interrupted import resumable.
+
+Where the faces are found and stored is a ``Backend``: ``LocalBackend`` talks to Triton and the database
+directly; ``recognition.rest_import.RestBackend`` goes through a deployed stack's REST API with a key.
+Both share the classification (the enrollment rules), the resume, the concurrency and the report.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 from tqdm import tqdm
 
@@ -59,6 +63,7 @@ class ItemResult:
     faces: int = 0
     face_id: int | None = None
     face: NewFace | None = field(default=None, repr=False)
+    data: bytes = field(default=b"", repr=False)  # the image, kept until its identity is enrolled
 
 
 @dataclass(frozen=True)
@@ -123,15 +128,58 @@ def classify(item: ImportItem, data: bytes, faces: Faces, options: ImportOptions
     """Accept exactly one face that passes the quality gate (the REST route's rules), or say why not."""
     digest = image_sha256(data)
     try:
-        face = enrollable_face(faces, data, options.rules)
+        chosen = enrollable_face(faces, data, options.rules)
     except Refused as refused:
         return ItemResult(item, _STATUS[refused.code], _detail(refused), digest, len(faces))
-    return ItemResult(item, Status.READY, "", digest, len(faces), face=face)
+    return ItemResult(item, Status.READY, "", digest, len(faces), face=chosen.face)
+
+
+class Unreadable(Exception):
+    """The backend could not read this image (corrupt, unsupported, too many pixels)."""
+
+
+class Backend(Protocol):
+    """Where faces are found and stored: Triton and the database, or a deployed stack's REST API."""
+
+    async def known_hashes(self) -> set[str]: ...
+
+    async def analyze(self, data: bytes) -> Faces: ...  # Unreadable for a bad image
+
+    async def enroll(self, accepted: list[ItemResult]) -> list[int]: ...  # face ids; all or nothing
+
+
+class LocalBackend:
+    def __init__(self, store: GalleryStore, client: AsyncPipeline, options: ImportOptions) -> None:
+        self.store, self.client, self.options = store, client, options
+
+    async def known_hashes(self) -> set[str]:
+        return await asyncio.to_thread(self.store.known_hashes, self.options.collection)
+
+    async def analyze(self, data: bytes) -> Faces:
+        try:
+            return await self.client.infer(data, return_crops=True)
+        except PipelineError as exc:
+            if exc.invalid_input:
+                raise Unreadable(str(exc)) from exc
+            raise
+
+    async def enroll(self, accepted: list[ItemResult]) -> list[int]:
+        item = accepted[0].item
+        _, stored = await asyncio.to_thread(
+            self.store.add_faces, self.options.collection, item.external_id,
+            [r.face for r in accepted if r.face is not None], self.options.embedding_model,
+            (item.name, {}))
+        return [face.id for face in stored]
 
 
 class Importer:
-    def __init__(self, store: GalleryStore, client: AsyncPipeline, options: ImportOptions) -> None:
-        self.store, self.client, self.options = store, client, options
+    def __init__(self, store: GalleryStore | None, client: AsyncPipeline | None, options: ImportOptions,
+                 backend: Backend | None = None) -> None:
+        if backend is None:
+            if store is None or client is None:
+                raise ValueError("the local import needs a store and a pipeline client (or a backend)")
+            backend = LocalBackend(store, client, options)
+        self.backend, self.options = backend, options
         self._slots = asyncio.Semaphore(options.concurrency)
         self._seen: set[str] = set()
 
@@ -147,40 +195,43 @@ class Importer:
             self._seen.add(digest)
             async with self._slots:
                 try:
-                    faces = await self.client.infer(data, return_crops=True)
-                except PipelineError as exc:
-                    status = Status.UNREADABLE if exc.invalid_input else Status.FAILED
-                    return ItemResult(item, status, str(exc), digest)
-            return classify(item, data, faces, self.options)
+                    faces = await self.backend.analyze(data)
+                except Unreadable as exc:
+                    return ItemResult(item, Status.UNREADABLE, str(exc), digest)
+                except Exception as exc:  # Triton or the API failed: this file is reported, the rest goes on
+                    return ItemResult(item, Status.FAILED, str(exc), digest)
+            result = classify(item, data, faces, self.options)
+            result.data = data if result.status is Status.READY else b""
+            return result
         finally:
             progress.update(1)
 
-    def _enroll(self, results: list[ItemResult]) -> None:
+    async def _enroll(self, results: list[ItemResult]) -> None:
         """Write one identity's accepted faces in one transaction (all or nothing)."""
         accepted = [r for r in results if r.status is Status.READY and r.face is not None]
         if not accepted or self.options.dry_run:
             return
-        item = accepted[0].item
         try:
-            _, stored = self.store.add_faces(self.options.collection, item.external_id,
-                                             [r.face for r in accepted if r.face is not None],
-                                             self.options.embedding_model, create=(item.name, {}))
-        except Exception as exc:  # a database failure: report these files, keep importing the rest
-            log.error("identity %s not enrolled: %s", item.external_id, exc)
+            face_ids = await self.backend.enroll(accepted)
+        except Exception as exc:  # a database or API failure: report these files, keep importing the rest
+            log.error("identity %s not enrolled: %s", accepted[0].item.external_id, exc)
             for result in accepted:
                 result.status, result.detail = Status.FAILED, f"enrollment failed: {exc}"
             return
-        for result, face in zip(accepted, stored, strict=True):
-            result.status, result.face_id = Status.IMPORTED, face.id
+        finally:
+            for result in accepted:
+                result.data, result.face = b"", None
+        for result, face_id in zip(accepted, face_ids, strict=True):
+            result.status, result.face_id = Status.IMPORTED, face_id
 
     async def _identity(self, items: list[ImportItem], progress: tqdm) -> list[ItemResult]:
         results = list(await asyncio.gather(*(self._process(item, progress) for item in items)))
-        await asyncio.to_thread(self._enroll, results)
+        await self._enroll(results)
         return results
 
     async def run(self, items: Iterable[ImportItem], show_progress: bool = True) -> list[ItemResult]:
         items = list(items)
-        self._seen = await asyncio.to_thread(self.store.known_hashes, self.options.collection)
+        self._seen = await self.backend.known_hashes()
         groups: dict[str, list[ImportItem]] = {}
         for item in items:
             groups.setdefault(item.external_id, []).append(item)

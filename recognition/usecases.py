@@ -12,17 +12,19 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from facecore.client import AsyncPipeline
 from facecore.contract import Faces
 from facecore.spec import ModelSpec
+from gallery.faces import FaceRecords, StoredFace
 from gallery.gallery import Gallery, SearchResult
 from gallery.store import CollectionInfo, FaceInfo, GalleryStore, IdentityInfo, check_model
-from recognition.enrollment import EnrollmentRules, enrollable_face, largest
+from recognition.enrollment import EnrollmentRules, IgnoredFace, enrollable_face, largest
 from recognition.errors import Refused
 
 #: Width of the logistic that turns a cosine score into a confidence: 0.5 at the threshold,
@@ -45,6 +47,7 @@ class Identified:
 class Enrolled:
     identity: IdentityInfo
     faces: list[FaceInfo]
+    ignored: list[IgnoredFace] = field(default_factory=list)  # detected faces not enrolled, and why
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,24 @@ class Verified:
         return self.score >= self.threshold
 
 
+@dataclass(frozen=True)
+class FaceSearch:
+    """Search by a stored face: the face, and the identities closest to it (the face itself left out)."""
+
+    face: StoredFace
+    result: SearchResult
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every face of an image scored (cosine) against one reference face."""
+
+    faces: Faces
+    scores: NDArray[np.float32]  # [N], one per face of ``faces``
+    threshold: float
+    reference: tuple[Faces, int] | None = None  # the reference face, when it came from an image
+
+
 #: Called after every face_pipeline call with its latency in seconds and the faces it found.
 Observer = Callable[[float, int], None]
 
@@ -67,6 +88,7 @@ class Recognition:
     def __init__(self, pipeline: AsyncPipeline, gallery: Gallery, store: GalleryStore, max_faces: int,
                  observe: Observer | None = None) -> None:
         self.pipeline, self.gallery, self.store = pipeline, gallery, store
+        self.faces = FaceRecords(store.db)
         self.max_faces = max_faces
         self._observe = observe
         self._embedder: ModelSpec | None = None
@@ -86,19 +108,21 @@ class Recognition:
         check_model(info, spec.name)
         return info
 
-    async def analyze(self, data: bytes, crops: bool = False) -> Faces:
+    async def analyze(self, data: bytes, crops: bool = False, score_threshold: float | None = None) -> Faces:
         started = time.perf_counter()
-        faces = await self.pipeline.infer(data, max_faces=self.max_faces, return_crops=crops)
+        faces = await self.pipeline.infer(data, max_faces=self.max_faces, return_crops=crops,
+                                          score_threshold=score_threshold)
         if self._observe is not None:
             self._observe(time.perf_counter() - started, len(faces))
         return faces
 
-    async def detect(self, data: bytes) -> Faces:
-        return await self.analyze(data)
+    async def detect(self, data: bytes, score_threshold: float | None = None) -> Faces:
+        return await self.analyze(data, score_threshold=score_threshold)
 
-    async def identify(self, collection: str, data: bytes, k: int, threshold: float | None) -> Identified:
+    async def identify(self, collection: str, data: bytes, k: int, threshold: float | None,
+                       score_threshold: float | None = None) -> Identified:
         info = await self.collection(collection)
-        faces = await self.analyze(data)
+        faces = await self.analyze(data, score_threshold=score_threshold)
         limit = info.match_threshold if threshold is None else threshold
         results = await asyncio.to_thread(self.gallery.search, collection, faces.embeddings, k,
                                           limit) if len(faces) else []
@@ -109,14 +133,14 @@ class Recognition:
         """All images or none: every image must give one face that passes the quality gate."""
         info = await self.collection(collection)
         analyzed = await asyncio.gather(*(self.analyze(data, crops=True) for data in images))
-        new_faces = [enrollable_face(faces, data, rules, index)
-                     for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
+        chosen = [enrollable_face(faces, data, rules, index)
+                  for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
 
         def store() -> Enrolled:
-            identity, stored = self.store.add_faces(collection, external_id, new_faces, info.embedding_model,
-                                                    create)
+            identity, stored = self.store.add_faces(collection, external_id, [c.face for c in chosen],
+                                                    info.embedding_model, create)
             self.gallery.sync()
-            return Enrolled(identity, stored)
+            return Enrolled(identity, stored, [face for c in chosen for face in c.ignored])
 
         return await asyncio.to_thread(store)
 
@@ -143,3 +167,39 @@ class Recognition:
         score = float(np.max(enrolled @ faces.embeddings[index]))
         limit = info.match_threshold if threshold is None else threshold
         return Verified(score, limit, (faces, index))
+
+    async def search_face(self, collection: str, face_id: int, k: int, threshold: float | None,
+                          exclude_identity: bool = False) -> FaceSearch:
+        """Top-k identities for an enrolled face, leaving out the face itself (with ``exclude_identity``
+        every face of its identity), with the usual threshold decision."""
+        info = await self.collection(collection)
+
+        def search() -> FaceSearch:
+            stored = self.faces.get(collection, face_id)
+            exclude = ({f.id for f in self.store.list_faces(collection, stored.external_id)}
+                       if exclude_identity else {face_id})
+            (result,) = self.gallery.search(collection, stored.vector[None], k,
+                                            info.match_threshold if threshold is None else threshold,
+                                            exclude=exclude)
+            return FaceSearch(stored, result)
+
+        return await asyncio.to_thread(search)
+
+    async def compare_images(self, reference: bytes, data: bytes, threshold: float | None = None,
+                             score_threshold: float | None = None) -> Comparison:
+        """Every face of ``data`` against the (largest) face of ``reference``: 1:1 for each face."""
+        spec = await self.embedder()
+        (ref, index), faces = await asyncio.gather(self._one_face(reference, "reference image"),
+                                                   self.analyze(data, score_threshold=score_threshold))
+        limit = spec.match_threshold if threshold is None else threshold
+        return Comparison(faces, faces.embeddings @ ref.embeddings[index], limit, (ref, index))
+
+    async def compare_with_face(self, collection: str, face_id: int, data: bytes,
+                                threshold: float | None = None, score_threshold: float | None = None
+                                ) -> Comparison:
+        """Every face of ``data`` against one enrolled face of the collection."""
+        info = await self.collection(collection)
+        stored = await asyncio.to_thread(self.faces.get, collection, face_id)  # NotFound first
+        faces = await self.analyze(data, score_threshold=score_threshold)
+        limit = info.match_threshold if threshold is None else threshold
+        return Comparison(faces, faces.embeddings @ stored.vector, limit)

@@ -27,13 +27,15 @@ from gallery.gallery import Gallery
 from gallery.index import IndexConfig
 from gallery.store import GalleryStore
 from recognition.usecases import Recognition
+from service.admission import Admission
 from service.auth import KeyStore
+from service.drain import DrainBody
 from service.errors import error_response, install_error_handlers
 from service.images import BodySizeLimit
 from service.logs import request_id
 from service.metrics import Metrics
 from service.readiness import RecognitionCheck
-from service.routers import collections, demo, health, identities, recognition
+from service.routers import collections, compreface, deepstack, demo, health, identities, recognition
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +113,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="facerec-triton", version="1.0.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = Metrics()
+    app.state.admission = Admission(settings.limits.max_in_flight)
+    app.state.metrics.watch_admission(app.state.admission)
     install_error_handlers(app)
     for router in (health.router, collections.router, identities.router, recognition.router, demo.router):
         app.include_router(router)
+    app.include_router(compreface.router)  # CompreFace-compatible API (docs/compat.md)
+    app.include_router(deepstack.router)  # DeepStack-compatible face API (docs/compat.md)
 
     # The last added is the outermost: Observe sees every response, the body-size 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)
+    app.add_middleware(DrainBody, max_bytes=settings.limits.max_upload_bytes)  # every client reads the 4xx
     app.add_middleware(Observe, timeout_s=settings.limits.request_timeout_s, metrics=app.state.metrics)
     return app
 

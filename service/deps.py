@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, Query, Request, Security
@@ -100,3 +101,18 @@ async def top_k(settings: SettingsDep, k: Annotated[int, Query(ge=1, description
 
 
 TopKDep = Annotated[int, Depends(top_k)]
+
+
+def known_query(*allowed: str) -> Callable[[Request], None]:
+    """A dependency refusing query parameters a route does not know (422), instead of ignoring them."""
+    names = set(allowed)
+
+    def check(request: Request) -> None:
+        unknown = sorted(set(request.query_params) - names)
+        if unknown:
+            errors = [{"loc": ["query", name], "msg": "unknown query parameter", "type": "extra_forbidden"}
+                      for name in unknown]
+            raise ApiError(f"unknown query parameter(s): {', '.join(unknown)}; known: "
+                           f"{', '.join(sorted(names))}", code="validation_error", status=422, errors=errors)
+
+    return check

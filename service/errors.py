@@ -68,6 +68,14 @@ class Unprocessable(ApiError):
 
 class Unavailable(ApiError):
     status, code = 503, "service_unavailable"
+    retry_after_s = RETRY_AFTER_S
+
+
+class Overloaded(Unavailable):
+    """Load shed at the door: the gateway or Triton is at its limit (retry soon)."""
+
+    code = "overloaded"
+    retry_after_s = 1
 
 
 class Timeout(ApiError):
@@ -94,13 +102,16 @@ def pipeline_error(exc: PipelineError) -> ApiError:
         return ApiError(str(exc), code="invalid_image")
     if exc.timed_out:
         return Timeout("face_pipeline did not answer in time")
+    if "maximum queue size" in str(exc).lower():  # Triton's bounded queue refused it
+        return Overloaded("the inference server's queue is full; retry shortly")
     return Unavailable(f"the inference server is unavailable: {exc}", code="triton_unavailable")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        retry = exc.retry_after_s if isinstance(exc, Unavailable) else RETRY_AFTER_S
+        headers = {"Retry-After": str(retry)} if exc.status == 503 else None
         return error_response(exc.status, exc.code, exc.message, exc.details, headers)
 
     @app.exception_handler(GalleryError)

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -41,6 +42,44 @@ class TritonPorts:
     http: int = 8000
     grpc: int = 8001
     metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> TritonPorts:
+        """Three ports free on 127.0.0.1 right now (for test and benchmark servers beside others)."""
+        sockets = [socket.socket() for _ in range(3)]
+        try:
+            for s in sockets:
+                s.bind(("127.0.0.1", 0))
+            http, grpc, metrics = (int(s.getsockname()[1]) for s in sockets)
+        finally:
+            for s in sockets:
+                s.close()
+        return cls(http, grpc, metrics)
+
+
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """The HTTP status ``url`` answers a GET with, 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> int | None:
+    """SIGTERM, wait up to ``timeout``, then SIGKILL its process group (started with
+    ``start_new_session=True``); returns the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("process %d did not exit after SIGTERM; killing its process group", process.pid)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode
 
 
 def bundled_server_dir() -> Path:
@@ -140,13 +179,20 @@ class TritonServer:
         return self
 
     def _get(self, path: str) -> int:
+        return http_status(f"{self.http_url}{path}")
+
+    @property
+    def pid(self) -> int | None:
+        """The tritonserver process id while it runs (its Python-backend stubs are its children)."""
+        return self._process.pid if self.running and self._process is not None else None
+
+    def version(self) -> str:
+        """The server's version from its metadata endpoint (``2.51.0``), ``unknown`` when it does not say."""
         try:
-            with urllib.request.urlopen(f"{self.http_url}{path}", timeout=2) as response:
-                return int(response.status)
-        except urllib.error.HTTPError as exc:
-            return int(exc.code)
-        except (urllib.error.URLError, OSError):
-            return 0
+            with urllib.request.urlopen(f"{self.http_url}/v2", timeout=5) as response:
+                return str(json.loads(response.read())["version"])
+        except (OSError, ValueError, KeyError):
+            return "unknown"
 
     def models_ready(self) -> dict[str, bool]:
         return {name: self._get(f"/v2/models/{name}/ready") == 200 for name in self.models}
@@ -165,17 +211,7 @@ class TritonServer:
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM, wait, SIGKILL if needed; then remove this run's /dev/shm regions."""
         process, self._process = self._process, None
-        code = None
-        if process is not None:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    log.warning("tritonserver did not exit after SIGTERM; killing it")
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-            code = process.returncode
+        code = stop_process(process, timeout) if process is not None else None
         for leftover in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             leftover.unlink(missing_ok=True)
         return code

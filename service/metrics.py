@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from service.admission import Admission
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 
@@ -25,6 +29,19 @@ class GallerySizes(Collector):
         yield family
 
 
+class AdmissionGauges(Collector):
+    """``facerec_in_flight`` and ``facerec_shed_requests_total`` of the load shedding, read at scrape time."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("facerec_in_flight", "recognition requests in the gateway now",
+                                value=self._admission.in_flight)
+        yield CounterMetricFamily("facerec_shed_requests", "requests refused with 503 overloaded",
+                                  value=self._admission.refused)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -41,6 +58,9 @@ class Metrics:
     def observe_pipeline(self, seconds: float, faces: int) -> None:
         self.triton_latency.observe(seconds)
         self.faces.observe(faces)
+
+    def watch_admission(self, admission: Admission) -> None:
+        self.registry.register(AdmissionGauges(admission))
 
     def watch_gallery(self, sizes: Callable[[], dict[str, int]]) -> None:
         self.registry.register(GallerySizes(sizes))

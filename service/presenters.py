@@ -6,7 +6,7 @@ from facecore.contract import Faces
 from facecore.quality import assess
 from gallery.gallery import Candidate as GalleryCandidate
 from gallery.store import FaceInfo, IdentityInfo
-from recognition.usecases import Enrolled, Identified, Verified, confidence
+from recognition.usecases import Enrolled, FaceSearch, Identified, Verified, confidence
 from service import schemas
 
 
@@ -66,5 +66,16 @@ def face_out(info: FaceInfo) -> schemas.FaceOut:
 
 
 def enroll_response(enrolled: Enrolled) -> schemas.EnrollResponse:
+    ignored = [schemas.IgnoredFaceOut(image=face.image, box=box(face.box), reason=face.reason.value)
+               for face in enrolled.ignored]
     return schemas.EnrollResponse(identity=identity_out(enrolled.identity),
-                                  faces=[face_out(f) for f in enrolled.faces])
+                                  faces=[face_out(f) for f in enrolled.faces], ignored=ignored)
+
+
+def face_search_response(found: FaceSearch) -> schemas.FaceSearchResponse:
+    limit, match = found.result.threshold, found.result.match
+    return schemas.FaceSearchResponse(
+        face_id=found.face.face.id, external_id=found.face.external_id, threshold=limit,
+        decision="match" if match is not None else "unknown",
+        identity=candidate(match, limit) if match is not None else None,
+        candidates=[candidate(c, limit) for c in found.result.candidates])

@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 from recognition.enrollment import FaceChoice
 
@@ -151,16 +151,33 @@ class FaceOut(BaseModel):
     created_at: datetime
 
 
+#: Unset (None) differs from "only" (a conflict with the query parameter is detected); documented as the enum.
+OptionalFaceChoice = Annotated[FaceChoice | None, WithJsonSchema(
+    {"type": "string", "enum": [c.value for c in FaceChoice], "default": FaceChoice.ONLY.value})]
+
+
 class EnrollJson(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 422, not silently dropped
+
     images: list[Base64Image] = Field(min_length=1)
-    face: FaceChoice = FaceChoice.ONLY
+    face: OptionalFaceChoice = Field(None, description="only (default) or largest; also a query parameter")
     box: list[float] | None = Field(None, min_length=4, max_length=4,
-                                    description="x1,y1,x2,y2: the face to take")
+                                    description="x1,y1,x2,y2: the face to take; also a query parameter")
+
+
+class IgnoredFaceOut(BaseModel):
+    image: int = Field(description="index of the image in the request")
+    box: Box
+    reason: Literal["face_too_small", "not_largest", "outside_box"] = Field(
+        description="face_too_small: below the quality gate's minimum size, so it never counts as a second "
+                    "face; not_largest: face=largest took a bigger one; outside_box: the box chose another")
 
 
 class EnrollResponse(BaseModel):
     identity: IdentityOut
     faces: list[FaceOut]
+    ignored: list[IgnoredFaceOut] = Field(default_factory=list,
+                                          description="detected faces that were not enrolled, and why")
 
 
 class ImageJson(BaseModel):
@@ -197,6 +214,17 @@ class IdentifyResponse(BaseModel):
     height: int
     threshold: float
     faces: list[IdentifiedFace]
+
+
+class FaceSearchResponse(BaseModel):
+    face_id: int = Field(description="the stored face searched with")
+    external_id: str = Field(description="its identity")
+    threshold: float
+    decision: Literal["match", "unknown"] = Field(description="match: the best other identity reaches the "
+                                                              "threshold (a possible duplicate)")
+    identity: Candidate | None = Field(description="the best candidate when it matches, else null")
+    candidates: list[Candidate] = Field(description="top-k identities by their closest face, the searched "
+                                                    "face itself left out")
 
 
 class BatchItem(BaseModel):

@@ -74,8 +74,8 @@ def pipeline(triton: TritonServer) -> Iterator[PipelineClient]:
 def broken_triton(cpu_repository: Path, default_models: DefaultModels,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """A real Triton whose models all load and report ready, but whose face_pipeline fails every
-    request with faces: face_embedder serves the detector's ONNX file (its input is not ``data``),
-    without the warm-up that would have refused it at load time."""
+    request with faces: face_embedder serves the detector's ONNX file (its input is not ``data``) with
+    ONNX Runtime, without the warm-up that would have refused it at load time."""
     import shutil
 
     from google.protobuf import text_format
@@ -88,6 +88,8 @@ def broken_triton(cpu_repository: Path, default_models: DefaultModels,
     shutil.copyfile(default_models.detector_file, embedder / "1" / "model.onnx")
     config = text_format.Parse((embedder / "config.pbtxt").read_text(), mc.ModelConfig())
     config.ClearField("model_warmup")
+    # ONNX Runtime opens any ONNX file and fails at run time (OpenVINO would refuse the outputs at load)
+    config.parameters["runtime"].string_value = "onnxruntime"
     (embedder / "config.pbtxt").write_text(text_format.MessageToString(config))
     server = TritonServer(repository, TritonPorts(*free_ports(3)), log_file=root / "tritonserver.log")
     with server:

@@ -312,3 +312,35 @@ def test_replicas_share_one_database(start_api: StartApi, db_url: str) -> None:
     )
     assert decision(first.identify("shared", "obama2.jpg")) is None
     assert took < 1.0
+
+
+def test_load_beyond_the_in_flight_limit_is_shed_with_503(start_api: StartApi) -> None:
+    """With room for 2 recognition requests, 10 at once: some are answered 503 overloaded (Retry-After: 1)
+    at once, the admitted ones succeed, and once the burst is over a request is admitted again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = start_api(limits={"max_in_flight": 2})
+    api.create_collection("c")
+    with ThreadPoolExecutor(10) as pool:
+        responses = list(pool.map(lambda _: api.identify("c", "t1.jpg"), range(10)))
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}, statuses
+    for response in responses:
+        if response.status_code == 503:
+            api.error(response, 503, "overloaded")
+            assert response.headers["retry-after"] == "1"
+    assert api.app.state.admission.in_flight == 0 and api.app.state.admission.refused == statuses.count(503)
+    api.ok(api.identify("c", "obama.jpg"))
+    families = {f.name: f for f in text_string_to_metric_families(api.get("/metrics").text)}
+    assert families["facerec_shed_requests"].samples[0].value == statuses.count(503)
+
+
+def test_a_full_triton_queue_is_overloaded_not_unavailable() -> None:
+    from facecore.client import PipelineError
+    from service.errors import Overloaded, Unavailable, pipeline_error
+
+    full = pipeline_error(PipelineError("[StatusCode.UNAVAILABLE] Exceeds maximum queue size",
+                                        "StatusCode.UNAVAILABLE"))
+    assert isinstance(full, Overloaded) and full.code == "overloaded" and full.retry_after_s == 1
+    down = pipeline_error(PipelineError("failed to connect to all addresses", "StatusCode.UNAVAILABLE"))
+    assert isinstance(down, Unavailable) and down.code == "triton_unavailable"

@@ -14,7 +14,6 @@ from bench.gallery import (
     probe_set,
     result_table,
     synthetic_faces,
-    write_section,
 )
 
 
@@ -62,16 +61,6 @@ def test_benchmark_case_reports_plausible_figures() -> None:
     assert "exact (Flat)" in rows[0] and "| 1.0000 | 1.0000 |" in rows[0]
     text = document("python -m bench.gallery", [exact, approximate], [(2_000, 32, stats)], "test machine")
     assert "How to read this" in text and "Machine: test machine" in text
-
-
-def test_sections_of_the_shared_report_are_replaced_in_place(tmp_path: Path) -> None:
-    out = tmp_path / "docs" / "gallery.md"
-    write_section(out, "bench.gallery", "first")
-    write_section(out, "bench.enroll", "enroll")
-    write_section(out, "bench.gallery", "second")
-    text = out.read_text()
-    assert "first" not in text and text.index("second") < text.index("enroll")
-    assert text.count("<!-- bench.gallery:start -->") == 1
 
 
 def test_command_line_writes_the_report(tmp_path: Path) -> None:

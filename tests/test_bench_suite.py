@@ -18,11 +18,26 @@ import pytest
 
 import facecore.pipeline as pipeline_module
 from bench import __main__ as bench_main
-from bench import ceiling, naive, perf_analyzer, plain, report
-from bench.common import LoadRow, served_models, statistics_delta
+from bench import ceiling, naive, perf_analyzer, plain, report, report_text
+from bench.core.inputs import served_models
+from bench.core.load import LoadRow
+from bench.core.triton import statistics_delta
 from bench.stack import MemoryRun
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.processing import letterbox
+
+
+def test_the_recorded_report_is_rendered_from_its_results() -> None:
+    """docs/benchmarks/README.md is what the report code writes for docs/benchmarks/results.json: the wording
+    (bench/report_text.py) and the figures agree. After a change of wording:
+    `python -m bench.report --rerender docs/benchmarks`."""
+    folder = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+    results = report.Results.from_json(json.loads((folder / "results.json").read_text()))
+    assert results.ceiling and results.stack and results.memory and results.perf_analyzer
+    written = {name: file for name, file in report.PLOTS.items() if (folder / file).exists()}
+    recorded = report.section((folder / "README.md").read_text()).strip()
+    assert report.document(results, written) == recorded
+    assert report_text.BASELINE_PLAIN in recorded and report_text.HOW_TO_READ in recorded
 
 
 def test_triton_statistics_give_time_outside_the_networks() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service.launcher import TritonPorts, TritonServer, TritonStartError
+from service.launcher import TritonPorts, TritonServer, TritonStartError, http_status, stop_process
 from tests.conftest import ROOT, free_ports
 
 pytestmark = pytest.mark.triton
@@ -75,3 +76,42 @@ def test_command_line_runs_until_sigterm(cpu_repository: Path, tmp_path: Path) -
             process.kill()
     assert process.returncode == 0, output
     assert "tritonserver stopped (exit code 0)" in output
+
+
+def test_the_server_reports_its_process_and_version(cpu_repository: Path, tmp_path: Path) -> None:
+    server = TritonServer(cpu_repository, TritonPorts.free(), log_file=tmp_path / "log")
+    assert server.pid is None
+    with server:
+        pid = server.pid
+        assert pid is not None
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"
+        assert f"shm-region-prefix-name={server.shm_prefix}" in Path(f"/proc/{pid}/cmdline").read_text()
+        assert server.version() == "2.51.0"
+    assert server.pid is None and server.version() == "unknown"
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = TritonPorts.free()
+    values = [ports.http, ports.grpc, ports.metrics]
+    assert len(set(values)) == 3 and all(port > 1024 for port in values)
+    for port in values:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_stop_process_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    script = f"trap '' TERM; touch {ready}; sleep 60 & wait; sleep 60"
+    process = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    began = time.monotonic()
+    assert stop_process(process, timeout=0.5) == -signal.SIGKILL
+    assert time.monotonic() - began < 10
+
+
+def test_http_status_reports_what_answers(triton: TritonServer) -> None:
+    assert http_status(f"{triton.http_url}/v2/health/ready") == 200
+    assert http_status(f"{triton.http_url}/v2/models/no_such_model/ready") == 400
+    assert http_status(f"http://127.0.0.1:{TritonPorts.free().http}/") == 0

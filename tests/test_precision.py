@@ -87,3 +87,12 @@ def test_no_precision_passing_stops_the_export(reference: precision.Reference) -
 
     with pytest.raises(RuntimeError, match="no precision passed"):
         precision.first_passing(["bf16", "f32"], failing, RuntimeChoice())
+
+
+def test_check_images_include_the_served_reduced_decode(photos: dict[str, Path]) -> None:
+    """Reduced JPEG decoding is part of what is served, so the check sees those pixels too: that is where
+    bf16 moved a face of t1.jpg enough to flip which face is the largest."""
+    some = {k: v for k, v in photos.items() if k in ("t1.jpg", "obama.jpg")}
+    plain, served = precision.check_images(some), precision.check_images(some, decode_min_side=640)
+    assert len(plain) == 6 and len(served) == 7  # t1.jpg (1280 wide) is decoded at 1/2: one image more
+    assert served[-1].shape == (443, 640, 3)

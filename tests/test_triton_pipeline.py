@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import cv2
@@ -10,11 +11,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from export.defaults import DefaultModels
+from export.profiles import Profile, ProfileTuning
+from export.repository import RepositoryPlan, write_repository
 from export.served import served_networks
 from facecore.client import PipelineClient, PipelineError
 from facecore.pipeline import run_pipeline
 from facecore.processing import decode_image, original_size
-from service.launcher import TritonServer
+from service.launcher import TritonPorts, TritonServer
+from tests.conftest import free_ports
 
 pytestmark = pytest.mark.triton
 
@@ -137,3 +142,25 @@ def test_twenty_concurrent_mixed_requests(
     executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
     assert requests == 20
     assert executions < requests, "dynamic batching should merge concurrent requests into fewer executions"
+
+
+def test_in_process_layout_answers_like_the_bls_layout(
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes], default_models: DefaultModels, tmp_path: Path
+) -> None:
+    """face_pipeline running both networks itself (the CPU sweep's other layout) against the real server
+    gives the faces of the three-model BLS layout."""
+    tuning = replace(ProfileTuning.default(Profile.CPU), layout="in_process")
+    plan = RepositoryPlan(Profile.CPU, default_models.detector, default_models.embedder, tuning=tuning)
+    repository = write_repository(plan, tmp_path / "in_process", default_models.detector_file,
+                                  default_models.embedder_file)
+    assert (repository / "face_pipeline" / "1" / "detector.onnx").is_file()
+    server = TritonServer(repository, TritonPorts(*free_ports(3)), log_file=tmp_path / "triton.log")
+    with server:
+        local = PipelineClient(server.grpc_url)
+        for name in ("t1.jpg", "obama.jpg", "coffee.png"):
+            expected, got = pipeline.infer(photo_bytes[name]), local.infer(photo_bytes[name])
+            assert len(got) == len(expected) == EXPECTED_FACES[name]
+            np.testing.assert_allclose(got.boxes, expected.boxes, atol=0.5)
+            if len(got):
+                assert np.min(np.sum(got.embeddings * expected.embeddings, axis=1)) > 0.9999
+        local.close()

@@ -9,6 +9,7 @@ A request with a bad image or bad settings gets its own INVALID_ARG error; the o
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import cv2
@@ -16,17 +17,26 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from numpy.typing import NDArray
 
+from facecore import runtimes
 from facecore.contract import Faces, Input, RequestOptions
-from facecore.pipeline import NetworkInput, PipelineSettings, run_pipeline, validate_options
+from facecore.pipeline import (
+    Detector,
+    Embedder,
+    NetworkInput,
+    PipelineSettings,
+    run_pipeline,
+    validate_options,
+)
 from facecore.processing import (
     DetectOptions,
     FloatArray,
     ImageArray,
     decode_image,
-    original_size,
+    decode_sized,
     postprocess_detections,
     prior_boxes,
 )
+from facecore.runtimes import Runtime, RuntimeChoice
 from facecore.triton_config import parameters
 
 
@@ -71,9 +81,7 @@ def read_request(
         raise ValueError(f"{Input.IMAGE.value} must hold exactly one encoded image, got {encoded.size}")
     wanted = RequestOptions.from_tensors(lambda name: input_array(request, name))
     options = validate_options(settings, wanted.score_threshold, wanted.max_faces, wanted.min_face_size)
-    data = bytes(encoded[0])
-    image = decode_image(data, settings.max_pixels, settings.decode_min_side)
-    size = original_size(data, image) if settings.decode_min_side else (image.shape[1], image.shape[0])
+    image, size = decode_sized(bytes(encoded[0]), settings.max_pixels, settings.decode_min_side)
     return image, size, options, wanted.return_crops
 
 
@@ -101,20 +109,42 @@ def warm_up_python(settings: PipelineSettings) -> None:
         decode_image(encoded.tobytes(), settings.max_pixels)
 
 
+def in_process_networks(params: dict[str, str], version_dir: Path, settings: PipelineSettings
+                        ) -> tuple[Detector, Embedder]:
+    """The ``in_process`` layout: both networks run in this process, from files beside this model.py."""
+
+    def choice(role: str) -> RuntimeChoice:
+        spinning = params.get("intra_op_spinning", "true") == "true"
+        return RuntimeChoice(Runtime(params[f"{role}_runtime"]), params[f"{role}_precision"],
+                             int(params[f"{role}_threads"]), spinning)
+
+    return (runtimes.detector(settings.detector, version_dir / "detector.onnx", choice("detector")),
+            runtimes.embedder(settings.embedder, version_dir / "embedder.onnx", choice("embedder")))
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
-        self.settings = PipelineSettings.from_parameters(parameters(args["model_config"]))
+        params = parameters(args["model_config"])
+        self.settings = PipelineSettings.from_parameters(params)
         detector, embedder = self.settings.detector, self.settings.embedder
         self.detector_io = (detector.input_name, list(detector.output_names))
         self.embedder_io = (embedder.input_name, list(embedder.output_names))
+        self.local: tuple[Detector, Embedder] | None = None
+        if params.get("layout") == "in_process":
+            version_dir = Path(args["model_repository"]) / str(args["model_version"])
+            self.local = in_process_networks(params, version_dir, self.settings)
         warm_up_python(self.settings)
 
     def detect(self, batch: NetworkInput) -> tuple[FloatArray, FloatArray, FloatArray]:
+        if self.local is not None:
+            return self.local[0](batch)
         name, outputs = self.detector_io
         loc, conf, landms = bls(self.settings.detector_model, {name: batch}, outputs)
         return loc, conf, landms
 
     def embed(self, batch: NetworkInput) -> FloatArray:
+        if self.local is not None:
+            return self.local[1](batch)
         name, outputs = self.embedder_io
         (out,) = bls(self.settings.embedder_model, {name: batch}, outputs)
         return out

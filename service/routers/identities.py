@@ -6,15 +6,24 @@ import asyncio
 import math
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, Request, status
 
 from recognition.enrollment import EnrollmentRules, FaceChoice
 from service import schemas
-from service.deps import CollectionAccessDep, GalleryDep, ServiceDep, SettingsDep, StoreDep
+from service.admission import AdmitDep
+from service.deps import (
+    CollectionAccessDep,
+    GalleryDep,
+    ServiceDep,
+    SettingsDep,
+    StoreDep,
+    TopKDep,
+    known_query,
+)
 from service.errors import ApiError
 from service.images import read_images
 from service.openapi import image_body
-from service.presenters import enroll_response, face_out, identity_out
+from service.presenters import enroll_response, face_out, face_search_response, identity_out
 
 router = APIRouter(prefix="/v1/collections/{collection}", tags=["identities"])
 
@@ -69,28 +78,61 @@ async def delete_identity(collection: str, external_id: str, _: CollectionAccess
     await asyncio.to_thread(gallery.sync)
 
 
+#: The enrollment route's parameters; any other query parameter or form field is a 422.
+ENROLL_QUERY = ("create", "name", "face", "box")
+ENROLL_FORM = ("face", "box")
+FaceQuery = Annotated[FaceChoice | None, Query(description="only (default): refuse an image with several "
+                                                           "enrollable faces; largest: take the biggest")]
+BoxQuery = Annotated[str | None, Query(description="x1,y1,x2,y2 of the face to enroll",
+                                       examples=["120,80,260,240"])]
+
+
 @router.post("/identities/{external_id}/faces", response_model=schemas.EnrollResponse,
              status_code=status.HTTP_201_CREATED, openapi_extra=ENROLL_BODY,
+             dependencies=[Depends(known_query(*ENROLL_QUERY))],
              summary="Enroll one or several images (all or none)",
-             description="Each image must show one face, or pass `face=largest` or a `box`. Faces that "
-                         "fail the quality gate are refused with 422 `low_quality` and their reasons. With "
-                         "`create=true` the identity is created when missing.")
+             description="Each image must show one face that can pass the quality gate, or pass "
+                         "`face=largest` or a `box` (as query parameters or form/JSON fields). Faces "
+                         "smaller than the gate's minimum size do not count as a second face; every face "
+                         "not enrolled is listed in `ignored` with its reason. Faces that fail the quality "
+                         "gate are refused with 422 `low_quality` and their reasons. With `create=true` the "
+                         "identity is created when missing. Unknown parameters are refused with 422.")
 async def enroll(collection: str, external_id: str, request: Request, _: CollectionAccessDep,
-                 service: ServiceDep, settings: SettingsDep,
+                 __: AdmitDep, service: ServiceDep, settings: SettingsDep,
                  create: Annotated[bool, Query(description="create the identity when missing")] = False,
                  name: Annotated[str, Query(max_length=256, description="name when creating")] = "",
+                 face: FaceQuery = None, box: BoxQuery = None,
                  ) -> schemas.EnrollResponse:
     limits = settings.limits
     uploaded = await read_images(request, ("images", "image"), limits.max_pixels, limits.max_batch_images,
                                  schemas.EnrollJson)
-    choice_raw = uploaded.fields.get("face", "only")
-    try:
-        choice = FaceChoice(choice_raw)
-    except ValueError as exc:
-        raise ApiError("face must be 'only' or 'largest'", code="validation_error", status=422) from exc
-    rules = EnrollmentRules(settings.quality.thresholds(), choice, parse_box(uploaded.fields.get("box")))
+    unknown = sorted(set(uploaded.fields) - set(ENROLL_FORM))
+    if unknown:
+        raise ApiError(f"unknown form field(s): {', '.join(unknown)}", code="validation_error", status=422,
+                       errors=[{"loc": ["body", n], "msg": "unknown field", "type": "extra_forbidden"}
+                               for n in unknown])
+    choice = face_choice(one_value("face", face, uploaded.fields.get("face")))
+    rules = EnrollmentRules(settings.quality.thresholds(), choice,
+                            parse_box(one_value("box", box, uploaded.fields.get("box"))))
     return enroll_response(await service.enroll(collection, external_id, uploaded.images, rules,
                                                 (name, {}) if create else None))
+
+
+def one_value(name: str, query: object, body: object) -> object:
+    """A parameter given as a query parameter or a form/JSON field (both only when they agree)."""
+    body = None if body in (None, "") else body
+    if query is not None and body is not None and str(body) != str(query) and not (
+            name == "box" and parse_box(query) == parse_box(body)):
+        raise ApiError(f"{name} is given twice with different values (query {query!r}, body {body!r})",
+                       code="validation_error", status=422)
+    return query if query is not None else body
+
+
+def face_choice(raw: object) -> FaceChoice:
+    try:
+        return FaceChoice.ONLY if raw is None else FaceChoice(str(raw))
+    except ValueError as exc:
+        raise ApiError("face must be 'only' or 'largest'", code="validation_error", status=422) from exc
 
 
 def parse_box(raw: object) -> list[float] | None:
@@ -119,3 +161,24 @@ async def delete_face(collection: str, face_id: Annotated[int, Path(ge=1, le=2**
                       _: CollectionAccessDep, store: StoreDep, gallery: GalleryDep) -> None:
     await asyncio.to_thread(store.delete_face, collection, face_id)
     await asyncio.to_thread(gallery.sync)
+
+
+FaceId = Annotated[int, Path(ge=1, le=2**63 - 1)]
+SearchThreshold = Annotated[float | None, Query(ge=-1, le=1, description="match threshold (default: the "
+                                                                         "collection's)")]
+ExcludeIdentity = Annotated[bool, Query(description="leave out every face of the searched face's identity")]
+
+
+@router.post("/faces/{face_id}/search", response_model=schemas.FaceSearchResponse,
+             dependencies=[Depends(known_query("k", "threshold", "exclude_identity"))],
+             summary="Search by a stored face: the closest identities (look-alikes, duplicates)",
+             description="Like identify, with an enrolled face instead of an uploaded image: the top-k "
+                         "identities by their closest face, leaving out the searched face itself (with "
+                         "`exclude_identity=true`, every face of its identity), and the usual decision at "
+                         "the collection's threshold (`?threshold=` overrides it).")
+async def search_face(collection: str, face_id: FaceId, _: CollectionAccessDep, service: ServiceDep,
+                      k: TopKDep, threshold: SearchThreshold = None,
+                      exclude_identity: ExcludeIdentity = False,
+                      ) -> schemas.FaceSearchResponse:
+    return face_search_response(await service.search_face(collection, face_id, k, threshold,
+                                                          exclude_identity))

@@ -1,0 +1,166 @@
+"""Closed-loop load: N workers each send one request after another for a fixed time (``closed_loop``);
+one measured row with the CPU every watched process spent per request and Triton's statistics
+(``run_load``); a multipart upload sender for HTTP targets."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+
+from bench.core.processes import Watched, cpu_seconds, process_label, rss_bytes
+from bench.core.reporting import MIB
+from bench.core.triton import model_statistics, statistics_delta
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    latencies_ms: NDArray[np.float64]
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms.size else float("nan")
+
+    def row(self) -> dict[str, float | int]:
+        return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
+                "throughput_per_s": round(self.throughput, 2), "p50_ms": round(self.percentile(50), 1),
+                "p90_ms": round(self.percentile(90), 1), "p99_ms": round(self.percentile(99), 1)}
+
+
+def closed_loop(send: Callable[[], object], concurrency: int, seconds: float, warmup: int = 2) -> LoadResult:
+    """Run ``send`` from ``concurrency`` threads for ``seconds``; each thread warms up first."""
+    for _ in range(warmup):
+        send()
+    latencies: list[list[float]] = [[] for _ in range(concurrency)]
+    errors = [0] * concurrency
+    start_barrier = threading.Barrier(concurrency + 1)
+    stop_at = [0.0]
+
+    def worker(index: int) -> None:
+        start_barrier.wait()
+        while True:
+            began = time.perf_counter()
+            if began >= stop_at[0]:
+                return
+            try:
+                send()
+            except Exception:  # counted, not raised: a benchmark reports failures
+                errors[index] += 1
+                continue
+            latencies[index].append((time.perf_counter() - began) * 1000)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    began = time.perf_counter()
+    stop_at[0] = began + seconds
+    start_barrier.wait()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    flat = np.array([value for per_thread in latencies for value in per_thread])
+    return LoadResult(concurrency, int(flat.size), sum(errors), elapsed, flat)
+
+
+class MultipartSender:
+    """Callable for ``closed_loop``: POSTs one image as a multipart upload; one httpx client per thread.
+    A response other than 200 raises (``closed_loop`` counts it as an error)."""
+
+    def __init__(self, url: str, field_name: str, filename: str, data: bytes,
+                 headers: Mapping[str, str] | None = None) -> None:
+        self.url, self.field_name, self.filename, self.data = url, field_name, filename, data
+        self.headers = dict(headers or {})
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._lock = threading.Lock()
+
+    def _client(self) -> httpx.Client:
+        client: httpx.Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = httpx.Client(timeout=300.0)
+            self._local.client = client
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def __call__(self) -> httpx.Response:
+        files = {self.field_name: (self.filename, self.data, "image/jpeg")}
+        response = self._client().post(self.url, files=files, headers=self.headers)
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.url}: {response.status_code} {response.text[:300]}")
+        return response
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients:
+                client.close()
+            self._clients.clear()
+
+
+@dataclass
+class LoadRow:
+    """One closed-loop measurement with the CPU each process spent per request."""
+
+    target: str  # "REST identify", "gRPC face_pipeline", "naive /embed, 2 threads", ...
+    photo: str
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    throughput: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    client_cpu_ms: float  # this process (the load generator), per request
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # per watched process (tree), per request
+    #: per process of the watched trees ("triton: stub face_detector"), per request
+    cpu_detail_ms: dict[str, float] = field(default_factory=dict)
+    rss_mib: dict[str, float] = field(default_factory=dict)  # at the end of the run
+    triton: dict[str, dict[str, float]] | None = None  # statistics deltas per model
+
+    @property
+    def cpu_ms_total(self) -> float:
+        return self.client_cpu_ms + sum(self.cpu_ms.values())
+
+
+def run_load(target: str, photo: str, send: Callable[[], object], concurrency: int, seconds: float,
+             watched: Sequence[Watched] = (), triton_url: str | None = None) -> LoadRow:
+    """``closed_loop`` with the CPU time of this process and of ``watched`` processes, per request, and
+    Triton's statistics deltas when ``triton_url`` is given."""
+    before_stats = model_statistics(triton_url) if triton_url else None
+    pids = {w.name: w.pids() for w in watched}
+    cpu_before = {name: cpu_seconds(p) for name, p in pids.items()}
+    trees = {(w.name, pid): cpu_seconds([pid]) for w in watched if w.tree for pid in pids[w.name]}
+    client_before = time.process_time()
+    result: LoadResult = closed_loop(send, concurrency, seconds)
+    client = time.process_time() - client_before
+    cpu = {name: cpu_seconds(p) - cpu_before[name] for name, p in pids.items()}
+    detail: dict[str, float] = {}
+    for (name, pid), before in trees.items():
+        key = f"{name}: {process_label(pid)}"
+        detail[key] = detail.get(key, 0.0) + cpu_seconds([pid]) - before
+    stats = None
+    if before_stats is not None and triton_url:
+        stats = statistics_delta(before_stats, model_statistics(triton_url))
+    # The warm-up requests (closed_loop sends 2 first) are in the CPU figures: count them too.
+    done = max(result.requests + 2, 1)
+    return LoadRow(
+        target=target, photo=photo, concurrency=concurrency, requests=result.requests, errors=result.errors,
+        seconds=result.seconds, throughput=result.throughput, p50_ms=result.percentile(50),
+        p90_ms=result.percentile(90), p99_ms=result.percentile(99), client_cpu_ms=1000 * client / done,
+        cpu_ms={name: 1000 * value / done for name, value in cpu.items()},
+        cpu_detail_ms={key: 1000 * value / done for key, value in sorted(detail.items())},
+        rss_mib={w.name: rss_bytes(w.pids()) / MIB for w in watched}, triton=stats,
+    )

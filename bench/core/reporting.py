@@ -1,0 +1,123 @@
+"""What every benchmark report shares: Markdown tables, sections of a shared Markdown file (between
+marker comments, replaced in place), number formatting, and the one description of the machine."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+MIB = 1 << 20
+#: The heading a new report file starts with, by file name (``docs/benchmarks/<name>``).
+TITLES = {"README.md": "# Benchmarks", "gallery.md": "# Gallery benchmarks"}
+
+
+# --- Markdown ----------------------------------------------------------------------------------------
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def write_section(path: Path, name: str, text: str) -> None:
+    """Replace the section ``name`` of a shared Markdown file (between markers), or append it; a new file
+    starts with its title (``TITLES``)."""
+    start, end = _markers(name)
+    block = f"{start}\n{text.strip()}\n{end}\n"
+    current = path.read_text() if path.exists() else f"{TITLES.get(path.name, '# Benchmarks')}\n\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.DOTALL)
+    if pattern.search(current):
+        updated = pattern.sub(lambda _: block, current, count=1)
+    else:
+        updated = current.rstrip("\n") + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(updated)
+
+
+def read_section(text: str, name: str) -> str:
+    """The text between the markers of section ``name`` ("" when absent)."""
+    start, end = _markers(name)
+    return text.split(start, 1)[1].split(end, 1)[0] if start in text else ""
+
+
+def fmt(value: float | None, digits: int) -> str:
+    """``1,234.5`` with ``digits`` decimals, ``—`` for a value that was not measured."""
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def mib(value: int | None) -> str:
+    return "—" if value is None else f"{value / MIB:,.1f}"
+
+
+# --- the machine ------------------------------------------------------------------------------------
+
+
+def package_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def os_name() -> str:
+    release = Path("/etc/os-release")
+    if release.exists():
+        match = re.search(r'^PRETTY_NAME="?([^"\n]+)"?', release.read_text(), re.MULTILINE)
+        if match:
+            return f"{match.group(1)}, kernel {platform.release()}"
+    return platform.platform()
+
+
+def _hardware() -> str:
+    """CPU model, cores, memory, FAISS and numpy versions, and whether FAISS used a GPU."""
+    import faiss
+    import numpy as np
+
+    from gallery.index import gpu_available
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+    total = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.MULTILINE)
+    gpus = faiss.get_num_gpus() if gpu_available() else 0
+    return (f"{model.group(1).strip() if model else platform.processor() or 'unknown CPU'}, "
+            f"{os.cpu_count()} cores ({usable_cores()} usable), "
+            f"{int(total.group(1)) / 2**20 if total else float('nan'):.1f} GiB RAM, {platform.system()}; "
+            f"faiss {faiss.__version__} ({faiss.get_compile_options().strip()}; "
+            f"{faiss.omp_get_max_threads()} OpenMP threads), "
+            f"numpy {np.__version__}; "
+            f"GPU: {f'yes, {gpus} visible to FAISS' if gpus else 'none used (FAISS sees no GPU)'}")
+
+
+def _serving_stack(triton: str) -> str:
+    """OS, Python and the versions of the serving stack."""
+    import onnxruntime
+
+    server = triton or f"tritonserver from nvidia-pytriton {package_version('nvidia-pytriton')}"
+    return (f"OS: {os_name()}; Python {platform.python_version()} ({sys.implementation.name}); "
+            f"onnxruntime {onnxruntime.__version__} ({', '.join(onnxruntime.get_available_providers())}); "
+            f"{server}; tritonclient {package_version('tritonclient')}; "
+            f"fastapi {package_version('fastapi')}, "
+            f"uvicorn {package_version('uvicorn')}, opencv {package_version('opencv-python-headless')}")
+
+
+def machine_description(*, serving: bool = False, triton: str = "") -> str:
+    """The machine a report was measured on: CPU, cores, RAM, FAISS, numpy, GPU; with ``serving``, also the
+    OS, Python and the serving stack's versions (``triton``: the server that ran, e.g. ``tritonserver
+    2.51.0``; default: the bundled wheel's version)."""
+    hardware = _hardware()
+    return f"{hardware}; {_serving_stack(triton)}" if serving else hardware

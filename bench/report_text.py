@@ -1,0 +1,166 @@
+"""The wording of the serving report, in one place.
+
+Every sentence, label and heading ``python -m bench`` writes into ``docs/benchmarks/README.md`` is a
+``str.format`` template here, with named fields; ``bench/report_targets.py`` and ``bench/report.py`` decide
+which ones apply and fill them with this run's values (``say``). Change the wording here; the numbers come
+from the results. ``tests/test_bench_suite.py`` re-renders the recorded report from its ``results.json``.
+"""
+
+from __future__ import annotations
+
+
+def say(template: str, **values: object) -> str:
+    """``template`` filled with ``values`` (a missing field raises ``KeyError``)."""
+    return template.format(**values)
+
+
+# --- values -------------------------------------------------------------------------------------------
+IMAGES_PER_S = "{value:.1f} images/s"
+IMAGES_PER_S_OF = "{value:.1f} images/s ({target})"
+IMAGES_PER_S_AT = "{value:.1f} images/s at {concurrency}"
+IMAGES_PER_S_AT_OF = "{value:.1f} images/s at {concurrency} ({target})"
+CEILING_IMAGES_PER_S = "ceiling {value:.1f} images/s"
+MS = "{value:.1f} ms"
+
+# --- ratios (both sides measured in the same run) -----------------------------------------------------
+RATIO_VS_CEILING = "{target} / ceiling, {photo}, concurrency {c}"
+RATIO_VS = "{target} / {baseline}, {photo}, concurrency {c}"
+RATIO_BEST_OF_EACH = "{target} / {baseline}, {photo}, best concurrency of each"
+RATIO_WORK_REDUCTIONS = "{served} / {plain}, {photo}, concurrency {c} (the work reductions alone)"
+RATIO_GATEWAY = "{rest} / {grpc}, {photo}, concurrency {c} (the gateway's cost)"
+RATIO_LATENCY = "{target} p50 at concurrency 1 / ceiling single image, {photo}"
+RATIO_PERF_ANALYZER = "perf_analyzer / this benchmark's gRPC client, {photo}, concurrency {c}"
+
+# --- targets: names and what was measured -------------------------------------------------------------
+PASS, SHORT, NOT_MEASURED = "pass", "falls short", "not measured"
+NOT_IN_RUN = "not part of this run"
+BASELINE_SERVED = "the naive baseline with the served settings (same work: measures serving overhead)"
+BASELINE_PLAIN = ("the plain naive baseline (fixed 640x640 detector input, SFace with PReLU: beat the plain "
+                  "approach by doing less work)")
+TARGET_VS_CEILING = ("REST identify throughput at concurrency {c} >= 85 % of the in-process ceiling "
+                     "(1 face)")
+MEASURED_VS_CEILING = "{rest:.1f} / {ceiling:.1f} images/s = {share:.0%}"
+TARGET_VS_BASELINE = "REST identify throughput at concurrency {c} >= {factor}x {baseline} (1 face)"
+MEASURED_VS_BASELINE = "{rest:.1f} / {naive:.1f} images/s = {ratio:.2f}x ({target}; obama.jpg; same run)"
+TARGET_OUTSIDE_TRITON = ("face_pipeline time outside the two models <= 3 ms per 1-face image (Triton "
+                         "statistics, gRPC, concurrency {c})")
+TARGET_OUTSIDE_SPLIT = ("face_pipeline steps outside the two models <= 3 ms per 1-face image (in-process "
+                        "timer split)")
+MEASURED_SPLIT = "{value:.1f} ms ({threads} thread(s))"
+TARGET_LATENCY = "{target} p50 latency at concurrency 1 <= 1.3x the ceiling's single-image time (1 face)"
+MEASURED_LATENCY = "{p50:.1f} / {single:.1f} ms = {ratio:.2f}x"
+MEMORY_LABELS = {"gateway": "gateway", "triton": "Triton (server + Python-backend stubs)"}
+TARGET_MEMORY = ("{label} resident memory flat (+-10 %) across the memory run (REST identify, concurrency "
+                 "{c}, {minutes} min)")
+MEASURED_MEMORY = "{start:.0f} -> {end:.0f} MiB, largest deviation {deviation:.1f} %"
+
+# --- targets: why one falls short ---------------------------------------------------------------------
+CPU_LINE = "{total:.0f} ms CPU per image ({parts})"
+CPU_PART = "{name} {ms:.0f}"
+LOAD_CLIENT = "load client"
+WHY_THROUGHPUT = ("{target} cost {cpu_line}; {reference_name} cost {reference_cpu:.0f} ms CPU per image "
+                  "({reference:.1f} images/s). With {cores} cores busy, throughput is about {cores} x 1000 / "
+                  "CPU ms per image (here {bound:.1f} images/s)")
+WHY_CONSUMERS = "; the largest Triton consumers: {consumers}"
+CONSUMER = "{name} {ms:.0f} ms"
+WHY_LOAD_CLIENT = "; the load generator runs on the same cores and takes {share:.0%} of that CPU"
+WHY_ABOVE_CEILING = (" {factor}x this baseline is {needed:.1f} images/s, above the in-process ceiling with "
+                     "the served settings ({ceiling:.1f} images/s), so no server on this machine reaches "
+                     "it: on CPU cores there is no idle accelerator for batching to fill.")
+WHY_REDUCTIONS_ALONE = (" The work reductions alone make the naive app {speedup:.2f}x faster ({served_name} "
+                        "{served:.1f} images/s).")
+WHY_OUTSIDE_TRITON = ("pipeline compute {compute:.1f} ms per image minus {models:.1f} ms of detector + "
+                      "embedder requests")
+WHY_TRITON_OWN = ("; in-process the same steps take {inprocess:.1f} ms ({steps}), so {own:.1f} ms are "
+                  "Triton's own: BLS round trips to two models, tensor copies through shared memory between"
+                  " the stub processes, the Python-backend stub's request/response handling (and, above "
+                  "concurrency 1, CPU contention with the other stubs)")
+STEP = "{name} {ms:.1f} ms"
+WHY_LARGEST_STEPS = "largest steps: {steps}."
+WHY_CEILING_SINGLE = "the ceiling's single image is {single:.1f} ms"
+WHY_QUEUES = ("Triton queues add {queue:.1f} ms (dynamic-batching delays of face_pipeline, face_detector and "
+              "face_embedder, which wait for a fuller batch even when alone)")
+WHY_PIPELINE_OUTSIDE = ("face_pipeline spends {outside:.1f} ms outside the networks (in-process: "
+                        "{inprocess:.1f} ms)")
+WHY_NETWORKS = "the networks take {stubs:.1f} ms in the stubs vs {inprocess:.1f} ms in-process"
+WHY_GATEWAY = "the gateway (HTTP, multipart, gallery search, JSON) adds {extra:.1f} ms over gRPC"
+WHY_MEMORY = "grew from {start:.0f} to {max:.0f} MiB at most (trend {slope:+.1f} MiB/min)"
+WHY_MEMORY_LARGEST = "; largest at the end: {processes}"
+PROCESS_MIB = "{name} {mib:.0f} MiB"
+
+# --- the two naive baselines --------------------------------------------------------------------------
+BASELINES = """\
+Both are `bench/naive_app.py` (one FastAPI process: decode -> detect -> align -> embed per request, \
+batch 1, 1 ONNX Runtime intra-op thread per session), measured at the same concurrencies and alternating \
+with the stack.
+
+- **{served}** runs exactly what `face_pipeline` serves, work reductions included: the same work as the \
+stack, so REST identify / naive served measures the serving overhead. The >= 0.95x target uses it.
+- **{plain}** runs the same two networks the obvious way: every image letterboxed to the fixed 640x640 \
+detector input (`dynamic_input=False`, full-size decode) and SFace converted from the pinned int8 file \
+without the PReLU rewrite (`bench/plain.py`).{check} The >= 1.5x target uses it: beat the plain approach \
+by doing less work, with unchanged decisions.
+
+The work reduction has two sources, both visible in the ceiling tables (the served rows against the \
+*fixed 640x640* and *PReLU embedder* rows, and the two embedder sweeps):
+
+- **detector input sized to the image**: fewer pixels per image{detector}.
+- **the PReLU rewrite** (`Relu(x) - a * Relu(-x)`, exact; ONNX Runtime runs SFace's per-channel PRelu as \
+a slow broadcast with layout reorders around it): fewer embedder ms per face{embedder}."""
+PLAIN_CHECK = " {check}."
+MEASURED_DETAIL = "; {text}"
+DETECTOR_PIXELS = "{label} {w}x{h} instead of {pw}x{ph}: {fewer:.0%} fewer pixels"
+DETECTOR_MS = ", detector {served:.1f} instead of {plain:.1f} ms per image"
+DETECTOR_THREADS = " (batch 1, {threads} thread(s))"
+EMBEDDER_MS = ("{served:.1f} instead of {plain:.1f} ms per face, {less:.0%} less (batch 1, {threads} "
+               "thread(s))")
+TOGETHER = ("- together, in the naive app: {speedup:.2f}x at concurrency {c} ({served:.1f} instead of "
+            "{plain:.1f} images/s, {photo}).")
+SAME_DECISIONS = "- the same decisions: {agreement}."
+
+# --- the document -------------------------------------------------------------------------------------
+TITLE = "## Serving: ceiling, naive baseline, our stack, perf_analyzer, memory (`python -m bench`)"
+HEADER = ("Command: `{command}`  \nDate: {date}  \nMachine: {machine}  \nRun: {settings}  \n"
+          "Served (model_repository): {served}  \nWall time per part: {seconds}")
+SETTING = "{name} {value}"
+PART_MINUTES = "{name} {minutes:.1f} min"
+FAILED_PARTS = "**Parts that failed in this run:**\n\n{parts}"
+FAILED_PART = "- {part}: `{error}`"
+TARGETS = "### Targets (reported, not asserted)"
+BASELINES_HEADING = "### The two naive baselines"
+RATIOS = "### Ratios (both sides measured in this run)"
+PLOTS_ERROR = "*{error}*"
+PICTURE = "![{name}]({file})"
+NAIVE_HEADING = "### Naive baselines (`bench/naive_app.py`, `bench/naive.py`)"
+STACK_HEADING = "### Our stack (`bench/stack.py`)"
+STACK_CPU = ("CPU milliseconds per request, by process (the Triton tree: the server and one Python-backend "
+             "stub process per model instance):")
+STACK_STATS = "Triton statistics per model (deltas over each run):"
+PERF_ANALYZER_HEADING = "### perf_analyzer against face_pipeline (`bench/perf_analyzer.py`)"
+PERF_ANALYZER = ("{version} from the `tritonclient==2.51.0` wheel (sha256 `{sha256}`), real JPEG input data, "
+                 "gRPC. Command per concurrency: `{command}`")
+MEMORY_HEADING = "### Memory: REST identify at concurrency {c} for {minutes:g} min"
+MEMORY = ("Resident memory sampled every {interval:.1f} s after a {warmup:.0f} s warm-up at the same load "
+          "({samples} samples; {requests} requests, {throughput:.1f} images/s, {errors} errors). The Triton"
+          " figure sums the server and its Python-backend stub processes (shared pages count once per "
+          "process).")
+MEMORY_BREAKDOWN = "Triton's processes at the end: {processes}"
+GALLERY_HEADING = "### Gallery search scaling (`bench/gallery.py`; details in [gallery.md](gallery.md))"
+ENROLL_HEADING = "### Enrollment throughput (`bench/enroll.py`; details in [gallery.md](gallery.md))"
+HOW_TO_READ = """\
+**How to read this.** All numbers come from one run of the command above on the machine described. The
+ceiling runs alone; naive, REST identify and gRPC face_pipeline alternate at every concurrency (the
+servers not under load sit idle), so a slow drift of the machine hits them alike. *Ceiling*: the two
+networks and the pre/post-processing in-process, best batch sizes and thread layout: what a perfect
+server could do.
+*Naive*: one FastAPI process doing decode -> detect -> align -> embed per request in its thread pool,
+with the served settings (*naive served*) or the plain ones (*naive plain*; see the two baselines above).
+*REST identify* goes through the whole stack (gateway: API key, multipart, `face_pipeline` over gRPC,
+FAISS search, JSON); *gRPC face_pipeline* is the call the gateway makes, sent by this process directly.
+Closed loop: each of N client threads sends its next request when the previous one returns. The load
+generator runs on the same cores as the servers: its CPU per request is reported, and it is part of
+every figure (the naive baseline and the stack pay for it alike). Triton statistics are deltas over each
+run: *avg batch* is items per execution; *queue* and *request* times are per request; *compute per
+execution* comes from the batch statistics (per-request compute counts a batch's time once per member).
+*Outside the networks* is face_pipeline's execution time minus the detector and embedder request
+times its BLS calls waited for, per image."""

@@ -1,0 +1,116 @@
+"""Face and identity operations across a collection: one stored face with its vector (search by face,
+verification against one face), every face with its identity (paginated), deleting all faces of an
+identity or every identity, and renaming an identity (merging into an existing one).
+
+Like ``GalleryStore``, every method is one transaction, and every change of which vectors exist or
+to whom they belong is written to the change log in the same transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from gallery.db import Database
+from gallery.embeddings import decode_vector
+from gallery.errors import Conflict, NotFound
+from gallery.models import ChangeOp, Collection, Face, Identity
+from gallery.store import FaceInfo, GalleryStore, _face_info
+
+
+@dataclass(frozen=True)
+class StoredFace:
+    face: FaceInfo
+    external_id: str
+    vector: NDArray[np.float32]
+
+
+class FaceRecords:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    @staticmethod
+    def _collection(session: Session, name: str) -> Collection:
+        row = session.scalar(select(Collection).where(Collection.name == name))
+        if row is None:
+            raise NotFound(f"collection {name!r} does not exist", collection=name)
+        return row
+
+    def get(self, collection: str, face_id: int) -> StoredFace:
+        """One face of the collection with its identity's external id and its embedding."""
+        with self.db.read() as session:
+            owner = self._collection(session, collection)
+            row = session.execute(select(Face, Identity.external_id)
+                                  .join(Identity, Identity.id == Face.identity_id)
+                                  .where(Face.id == face_id, Face.collection_id == owner.id)).first()
+            if row is None:
+                raise NotFound(f"face {face_id} does not exist in {collection!r}", face_id=face_id)
+            face, external_id = row
+            return StoredFace(_face_info(face), external_id, decode_vector(face.embedding, owner.dimension))
+
+    def page(self, collection: str, external_id: str | None, offset: int, limit: int
+             ) -> tuple[list[tuple[FaceInfo, str]], int]:
+        """Faces (with their identity's external id) of the collection or of one identity, by face id;
+        and how many there are in all."""
+        with self.db.read() as session:
+            owner = self._collection(session, collection)
+            query = (select(Face, Identity.external_id).join(Identity, Identity.id == Face.identity_id)
+                     .where(Face.collection_id == owner.id))
+            if external_id is not None:
+                query = query.where(Identity.external_id == external_id)
+            total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+            rows = session.execute(query.order_by(Face.id).offset(offset).limit(limit)).all()
+            return [(_face_info(face), ext) for face, ext in rows], int(total)
+
+    def delete_faces_of(self, collection: str, external_id: str | None) -> int:
+        """Delete every face of one identity (or of the whole collection); the identities stay."""
+        with self.db.write() as session:
+            owner = self._collection(session, collection)
+            query = select(Face.id, Face.identity_id).where(Face.collection_id == owner.id)
+            if external_id is not None:
+                query = query.join(Identity, Identity.id == Face.identity_id).where(
+                    Identity.external_id == external_id)
+            rows = [(int(f), int(i)) for f, i in session.execute(query).all()]
+            GalleryStore._log(session, owner.id, rows, ChangeOp.REMOVE)
+            session.execute(delete(Face).where(Face.id.in_([f for f, _ in rows])))
+            return len(rows)
+
+    def delete_identities(self, collection: str) -> int:
+        """Erase every identity of the collection with its faces; returns how many identities."""
+        with self.db.write() as session:
+            owner = self._collection(session, collection)
+            rows = [(int(f), int(i)) for f, i in session.execute(
+                select(Face.id, Face.identity_id).where(Face.collection_id == owner.id)).all()]
+            GalleryStore._log(session, owner.id, rows, ChangeOp.REMOVE)
+            session.execute(delete(Face).where(Face.collection_id == owner.id))
+            count = session.scalar(select(func.count()).where(Identity.collection_id == owner.id)) or 0
+            session.execute(delete(Identity).where(Identity.collection_id == owner.id))
+            return int(count)
+
+    def rename(self, collection: str, old: str, new: str) -> None:
+        """Give identity ``old`` the external id ``new``; when ``new`` exists, ``old``'s faces move to it
+        and ``old`` is removed (the change log re-adds the moved faces under their new identity)."""
+        if not new:
+            raise ValueError("the new external id must not be empty")
+        with self.db.write() as session:
+            owner = self._collection(session, collection)
+            source = session.scalar(select(Identity).where(Identity.collection_id == owner.id,
+                                                           Identity.external_id == old))
+            if source is None:
+                raise NotFound(f"identity {old!r} does not exist", external_id=old)
+            target = session.scalar(select(Identity).where(Identity.collection_id == owner.id,
+                                                           Identity.external_id == new))
+            if target is None:
+                source.external_id = new
+                return
+            if target.id == source.id:
+                raise Conflict(f"identity {old!r} already has that external id")
+            moved = [int(f) for f in session.scalars(select(Face.id).where(Face.identity_id == source.id))]
+            GalleryStore._log(session, owner.id, [(f, source.id) for f in moved], ChangeOp.REMOVE)
+            session.execute(update(Face).where(Face.identity_id == source.id).values(identity_id=target.id))
+            GalleryStore._log(session, owner.id, [(f, target.id) for f in moved], ChangeOp.ADD)
+            session.execute(delete(Identity).where(Identity.id == source.id))

@@ -1,0 +1,101 @@
+"""The benchmarks' core (``bench/core``): report sections, the machine line, /proc accounting, child
+servers, and the bundled Triton started through the launcher."""
+
+from __future__ import annotations
+
+import os
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench.core.inputs import served_models
+from bench.core.load import closed_loop, run_load
+from bench.core.processes import Watched, cpu_seconds, free_port, process_tree, rss_bytes, start_server
+from bench.core.reporting import machine_description, markdown_table, read_section, write_section
+from bench.core.triton import bundled_triton, model_statistics, triton_url
+from service.launcher import stop_process
+
+
+def test_sections_of_the_shared_report_are_replaced_in_place(tmp_path: Path) -> None:
+    out = tmp_path / "docs" / "gallery.md"
+    write_section(out, "bench.gallery", "first")
+    write_section(out, "bench.enroll", "enroll")
+    write_section(out, "bench.gallery", "second")
+    text = out.read_text()
+    assert text.startswith("# Gallery benchmarks\n\n")
+    assert "first" not in text and text.index("second") < text.index("enroll")
+    assert text.count("<!-- bench.gallery:start -->") == 1
+    assert read_section(text, "bench.enroll").strip() == "enroll" and read_section(text, "other") == ""
+    readme = tmp_path / "README.md"
+    write_section(readme, "bench", "serving")
+    assert readme.read_text().startswith("# Benchmarks\n\n<!-- bench:start -->\nserving\n")
+
+
+def test_markdown_table() -> None:
+    assert markdown_table(("a", "b"), [("1", "2")]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_one_machine_description_with_or_without_the_serving_stack() -> None:
+    hardware = machine_description()
+    assert f"{os.cpu_count()} cores" in hardware and "faiss " in hardware and "GPU: " in hardware
+    assert "onnxruntime" not in hardware
+    serving = machine_description(serving=True, triton="tritonserver 2.51.0")
+    assert serving.startswith(hardware + "; OS: ")
+    assert "onnxruntime " in serving and "; tritonserver 2.51.0; tritonclient " in serving
+    assert "nvidia-pytriton" in machine_description(serving=True)
+
+
+def test_a_child_server_is_accounted_and_stopped(tmp_path: Path) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    process = start_server(command, dict(os.environ), tmp_path / "server.log", f"http://127.0.0.1:{port}/")
+    try:
+        assert process_tree(process.pid) == [process.pid]
+        assert rss_bytes([process.pid]) > 1 << 20
+        before = cpu_seconds([process.pid])
+        sender = _getter(f"http://127.0.0.1:{port}/")
+        row = run_load("http.server", "-", sender, 2, 0.5, [Watched("server", process.pid, tree=False)])
+        assert row.requests > 0 and row.errors == 0 and row.rss_mib["server"] > 1
+        assert cpu_seconds([process.pid]) >= before and row.cpu_ms["server"] >= 0
+    finally:
+        assert stop_process(process) is not None
+    assert process.poll() is not None
+    with pytest.raises(RuntimeError, match="exited with code"):
+        start_server([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "bad.log",
+                     f"http://127.0.0.1:{free_port()}/", timeout=30)
+
+
+def _getter(url: str) -> Callable[[], bytes]:
+    def get() -> bytes:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return bytes(response.read())
+
+    return get
+
+
+@pytest.mark.triton
+def test_the_bundled_triton_is_the_launchers(cpu_repository: Path, tmp_path: Path) -> None:
+    assert served_models(cpu_repository).settings.detector_model == "face_detector"
+    with bundled_triton(cpu_repository, tmp_path / "triton.log") as server:
+        assert server.pid is not None and server.pid in process_tree(server.pid)
+        assert len(process_tree(server.pid)) >= 4  # the server and one stub per model instance
+        with triton_url(None, cpu_repository, tmp_path / "other.log") as url:
+            assert url != server.grpc_url and model_statistics(url)["face_pipeline"]["items"] == 0
+        with triton_url(server.grpc_url) as url:
+            assert url == server.grpc_url
+    assert server.pid is None and (tmp_path / "triton.log").stat().st_size > 0
+
+
+def test_closed_loop_counts_errors_without_raising() -> None:
+    calls = {"n": 0}
+
+    def flaky() -> None:
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("every other call fails")
+
+    result = closed_loop(flaky, 1, 0.2, warmup=0)
+    assert result.errors > 0 and result.requests > 0 and abs(result.errors - result.requests) <= 1
