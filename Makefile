@@ -50,4 +50,4 @@ lint: $(VENV)/.test
 	for model in model_repository/*/model.py; do $(PY) -m mypy "$$model" || exit 1; done
 
 clean:
-	rm -rf $(VENV) artifacts model_repository/cpu model_repository/gpu
+	rm -rf $(VENV) artifacts model_repository/cpu model_repository/gpu model_repository/ngc-cpu

@@ -6,17 +6,19 @@
 
 In this order:
 
-1. ceiling (``bench/ceiling.py``), alone: detector + embedder in-process with ONNX Runtime, best batch
-   sizes and thread layout, plus decode and pre/post-processing -> images/s and single-image time;
-2. the naive baselines (``bench/naive_app.py`` under uvicorn, 1 intra-op thread; *served*: the settings
-   and ONNX files face_pipeline serves, *plain*: fixed 640x640 and SFace without the PReLU rewrite, see
-   ``bench/plain.py``) and our stack (Triton + gateway, ``bench/stack.py``), alternating at every
-   concurrency: naive served ``/embed``, naive plain ``/embed``, REST ``identify``, gRPC ``face_pipeline``
+1. ceiling (``bench/ceiling.py``), alone: detector + embedder in-process with the served runtime and
+   precisions (OpenVINO), and with ONNX Runtime f32 on the same files, best batch sizes and thread layout,
+   plus decode and pre/post-processing -> images/s and single-image time for each;
+2. the naive baselines (``bench/naive_app.py`` under uvicorn, 1 intra-op thread; *served*: what
+   face_pipeline serves, runtime and precisions included; *served-onnxruntime*: the same on ONNX Runtime
+   f32; *plain*: ONNX Runtime, the original float detector at fixed 640x640 and SFace without the PReLU
+   rewrite, see ``bench/plain.py``) and our stack (Triton + gateway, ``bench/stack.py``), alternating at
+   every concurrency: each naive ``/embed``, REST ``identify``, gRPC ``face_pipeline``
    (the servers not under load sit idle), with Triton's statistics and the CPU and memory of every
    process;
 3. perf_analyzer 2.51 against face_pipeline with real JPEG data (``bench/perf_analyzer.py``);
 4. enrollment throughput (``bench/enroll.py``) against the same Triton;
-5. the memory run: REST identify at concurrency 8 for ``--memory-minutes``, resident memory sampled;
+5. the memory run: REST identify at concurrency 16 for ``--memory-minutes``, resident memory sampled;
 6. gallery search scaling (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
 
 Then the ratios, the targets table and the plots go to ``<out>/README.md`` (between marker comments),
@@ -40,6 +42,7 @@ from pathlib import Path
 from bench import ceiling, naive, perf_analyzer, plain, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
 from bench.core.reporting import machine_description
+from bench.naive_agreement import describe as describe_agreement
 from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
@@ -145,8 +148,20 @@ def _enroll(results: report.Results, out: Path, url: str, images: int, repeats: 
                       + enroll.table(json.loads(data.read_text())["rows"]))
 
 
+def _agreement(results: report.Results, photos: dict[str, bytes], naive_servers: list[naive.NaiveServer],
+               threshold: float) -> None:
+    """The naive variants' faces and decisions against plain's, on the run's photos and the enrolled one
+    (so that one pair of faces is the same person)."""
+    checked = {**photos, **load_photos([stack.ENROLLED])}
+    agreements = naive.agreement(naive_servers, checked, threshold)
+    results.naive_agreement = describe_agreement(agreements)
+    for item in agreements:
+        log.log(logging.INFO if item.decisions_agree else logging.WARNING, "naive %s vs plain: %s",
+                item.variant, item.describe())
+
+
 def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_servers: list[naive.NaiveServer],
-           running: stack.Stack | None) -> None:
+           running: stack.Stack | None, threshold: float) -> None:
     """Naive, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers not under
     load sit idle (measured: ~1 % of a core for the gateway's change-log follower, ~0 for the others), and a
     slow drift of a shared machine hits all three alike instead of skewing their ratios."""
@@ -154,19 +169,18 @@ def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_ser
     for server in naive_servers:
         log.info("naive %s, %d thread(s), %s: %d face(s)", server.variant, server.threads, first,
                  naive.faces_found(server, first, photos[first]))
-    results.naive_agreement = naive.agreement(naive_servers, photos)
-    if results.naive_agreement:
-        log.info("naive served vs plain: %s", results.naive_agreement)
+    _agreement(results, photos, naive_servers, threshold)
+    by_variant = {naive.SERVED: results.naive, naive.SERVED_ORT: results.naive_onnxruntime,
+                  naive.PLAIN: results.naive_plain}
     client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
     try:
         for name, data in photos.items():
             if running:
                 log.info("REST identify %s: %s", name, stack.decisions(running, name, data))
             for c in p.concurrency:
-                if name == first:
-                    for server in naive_servers:
-                        rows = results.naive_plain if server.variant == naive.PLAIN else results.naive
-                        rows.append(naive.measure_once(server, name, data, c, p.seconds))
+                for server in naive_servers:
+                    row = naive.measure_once(server, name, data, c, p.seconds)
+                    by_variant[server.variant].append(row)
                 if running and client:
                     results.stack.append(stack.measure_rest(running, name, data, c, p.seconds))
                     results.stack.append(stack.measure_grpc(running, client, name, data, c, p.seconds))
@@ -202,7 +216,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
         "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts],
         "perf_analyzer window ms": p.pa.measurement_ms})
     photos = load_photos(p.photos)
-    first = {p.photos[0]: photos[p.photos[0]]}  # naive, perf_analyzer and memory: the 1-face photo
+    first = {p.photos[0]: photos[p.photos[0]]}  # perf_analyzer and memory: the 1-face photo
     models = served_models(args.repository)
     out: Path = args.out
     version = ""
@@ -230,7 +244,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                 naive_servers: list[naive.NaiveServer] = []
                 if "naive" not in p.skip:
                     for variant in p.naive_variants:
-                        run_models = plain_models if variant == naive.PLAIN else models
+                        run_models = naive.variant_models(models, plain_models, variant)
                         if run_models is None:  # the plain models failed: reported by _plain
                             continue
                         try:
@@ -244,7 +258,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                 measured = running if "stack" not in p.skip else None
                 if naive_servers or measured:
                     run_part(results, "naive + stack (alternating)", frozenset(),
-                             lambda: _loads(results, p, photos, naive_servers, measured))
+                             lambda: _loads(results, p, photos, naive_servers, measured,
+                                            models.settings.embedder.match_threshold))
             if running is not None:
                 stacked = running
 

@@ -4,9 +4,10 @@
     python -m bench.naive --variants plain --threads 1 2 --concurrency 1 8 --seconds 5
 
 Real multipart JPEG uploads (``httpx``, one client per load thread), closed loop, the same photos as
-every other part. Two variants (``bench/plain.py``): *served* gets the settings and ONNX files
-``face_pipeline`` serves (the same work as the stack); *plain* the fixed 640x640 detector input and SFace
-without the PReLU rewrite (the obvious deployment of the same networks).
+every other part. Three variants (``bench/plain.py``): *served* gets the settings, ONNX files, runtime and
+precisions ``face_pipeline`` serves (the same work as the stack); *served-onnxruntime* the same on ONNX
+Runtime f32; *plain* ONNX Runtime, the original float detector at fixed 640x640 and SFace without the
+PReLU rewrite (the obvious deployment of the same networks).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -30,7 +30,11 @@ from bench.core.inputs import ARTIFACTS, PHOTOS, ServedModels, load_photos, serv
 from bench.core.load import LoadRow, MultipartSender, run_load
 from bench.core.processes import Watched, free_port, start_server
 from bench.core.reporting import markdown_table
+from bench.naive_agreement import Agreement, compare_all
+from facecore.runtimes import Runtime, RuntimeChoice
 from service.launcher import stop_process
+
+__all__ = ["Agreement", "NaiveServer", "agreement", "embed", "measure", "measure_once", "naive_server"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,8 @@ CONCURRENCY = (1, 2, 4, 8, 16)
 #: 1 intra-op thread per session: on the recorded 2-core run 2 threads lost at every concurrency.
 THREADS = (1,)
 SERVED, PLAIN = plain_part.SERVED, plain_part.PLAIN
-VARIANTS = plain_part.VARIANTS
+SERVED_ORT = "served-onnxruntime"
+VARIANTS = (SERVED, SERVED_ORT, PLAIN)
 
 
 @dataclass(frozen=True)
@@ -54,22 +59,42 @@ def target_name(threads: int, variant: str = SERVED) -> str:
     return f"naive {variant} /embed, {threads} intra-op thread{'s' if threads != 1 else ''}"
 
 
-def _check_health(health: dict[str, Any], variant: str) -> None:
-    """The app runs the variant it was asked for (plain: fixed input, an embedder with PRelu nodes)."""
+def _runtime(choice: RuntimeChoice) -> str:
+    return f"{choice.runtime.value}:{choice.precision}"
+
+
+def variant_models(models: ServedModels, plain_models: ServedModels | None, variant: str
+                   ) -> ServedModels | None:
+    """What a variant runs: the served models, them on ONNX Runtime, or the plain ones (None: not had)."""
+    if variant == PLAIN:
+        return plain_models
+    return models.on_runtime(Runtime.ONNXRUNTIME) if variant == SERVED_ORT else models
+
+
+def _check_health(health: dict[str, Any], variant: str, models: ServedModels) -> None:
+    """The app runs the variant it was asked for, on the runtimes asked for (plain: fixed input, the float
+    detector, an embedder with PRelu nodes)."""
     if health.get("variant") != variant:
         raise RuntimeError(f"naive app runs {health.get('variant')!r}, not {variant!r}")
-    if variant == PLAIN and (health.get("dynamic_input") or not health.get("embedder_prelu_nodes")):
+    asked = (_runtime(models.detector_runtime), _runtime(models.embedder_runtime))
+    if (health.get("detector_runtime"), health.get("embedder_runtime")) != asked:
+        raise RuntimeError(f"naive {variant} app runs other runtimes than {asked}: {health}")
+    if variant == PLAIN and (health.get("dynamic_input") or not health.get("embedder_prelu_nodes")
+                             or health.get("detector_input_layout") != "nchw_float"):
         raise RuntimeError(f"naive plain app is not plain: {health}")
 
 
 @contextmanager
 def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
                  log_file: Path = ARTIFACTS / "bench-naive.log") -> Iterator[NaiveServer]:
-    """uvicorn serving ``bench.naive_app:app`` on a free port (one worker process). ``models``: the served
-    models for ``served``, ``plain.prepare(...).models`` (the PReLU embedder) for ``plain``."""
+    """uvicorn serving ``bench.naive_app:app`` on a free port (one worker process). ``models``: what the
+    variant runs (``variant_models``: the served models, them on ONNX Runtime, ``plain.prepare(...).models``
+    for ``plain``)."""
     port = free_port()
     env = {**os.environ, "NAIVE_SETTINGS": json.dumps(models.settings.to_parameters()),
            "NAIVE_DETECTOR_ONNX": str(models.detector_file), "NAIVE_EMBEDDER_ONNX": str(models.embedder_file),
+           "NAIVE_DETECTOR_RUNTIME": _runtime(models.detector_runtime),
+           "NAIVE_EMBEDDER_RUNTIME": _runtime(models.embedder_runtime),
            "NAIVE_INTRA_OP_THREADS": str(threads), "NAIVE_VARIANT": variant}
     command = [sys.executable, "-m", "uvicorn", "bench.naive_app:app", "--host", "127.0.0.1", "--port",
                str(port), "--no-access-log", "--log-level", "warning"]
@@ -77,7 +102,7 @@ def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
     process = start_server(command, env, log_file, f"{url}/health")
     try:
         health: dict[str, Any] = httpx.get(f"{url}/health", timeout=30).json()
-        _check_health(health, variant)
+        _check_health(health, variant, models)
         yield NaiveServer(url, process.pid, threads, variant, health)
     finally:
         stop_process(process)
@@ -110,40 +135,15 @@ def faces_found(server: NaiveServer, name: str, data: bytes) -> int:
     return len(embed(server, name, data))
 
 
-def agreement(servers: Sequence[NaiveServer], photos: dict[str, bytes]) -> str:
-    """Do the variants decide alike? Faces found per photo and variant, and the lowest cosine between the
-    same face's embeddings (each served face matched to the plain face whose box overlaps it most)."""
-    by_variant = {s.variant: s for s in servers}
-    if not {SERVED, PLAIN} <= by_variant.keys():
-        return ""
-    parts = []
-    for name, data in photos.items():
-        served, plain = (embed(by_variant[v], name, data) for v in (SERVED, PLAIN))
-        text = f"{name}: {len(served)} face(s) served, {len(plain)} plain"
-        if served and len(served) == len(plain):
-            matched = [_overlapping(a, plain) for a in served]
-            cosines = [_cosine(a["embedding"], b["embedding"]) for a, b in zip(served, matched, strict=True)]
-            text += f", embedding cosine >= {min(cosines):.4f}"
-        parts.append(text)
-    return "; ".join(parts)
-
-
-def _overlapping(face: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return max(others, key=lambda other: _iou(face["box"], other["box"]))
-
-
-def _iou(a: Sequence[float], b: Sequence[float]) -> float:
-    width = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    height = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = width * height
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
-
-def _cosine(a: Sequence[float], b: Sequence[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norm = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
-    return dot / norm if norm else 0.0
+def agreement(servers: Sequence[NaiveServer], photos: dict[str, bytes], threshold: float) -> list[Agreement]:
+    """Each variant's faces and decisions against plain's (``bench.naive_agreement``); one server per
+    variant is asked (the first of each)."""
+    first: dict[str, NaiveServer] = {}
+    for server in servers:
+        first.setdefault(server.variant, server)
+    faces = {variant: {name: embed(server, name, data) for name, data in photos.items()}
+             for variant, server in first.items()}
+    return compare_all(faces, threshold)
 
 
 def measure(models: ServedModels, photos: dict[str, bytes], threads: Sequence[int] = THREADS,
@@ -153,8 +153,11 @@ def measure(models: ServedModels, photos: dict[str, bytes], threads: Sequence[in
     """Every variant x thread setting x photo x concurrency; a fresh server per variant and thread
     setting."""
     rows = []
+    plain_models = plain_part.prepare(models, photos).models if PLAIN in variants else None
     for variant in variants:
-        run_models = plain_part.prepare(models, photos).models if variant == PLAIN else models
+        run_models = variant_models(models, plain_models, variant)
+        if run_models is None:
+            raise RuntimeError(f"no models for the naive {variant} variant")
         for count in threads:
             with naive_server(run_models, count, variant, log_file) as server:
                 for name, data in photos.items():

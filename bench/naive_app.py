@@ -4,23 +4,26 @@
 same networks and the same pre/post-processing code as ``face_pipeline`` (``facecore``), and returns
 the faces with their embeddings. No Triton, no batching across requests, no gallery. The endpoint is a
 plain ``def``: FastAPI runs it in its thread pool, so concurrent requests run side by side, each calling
-ONNX Runtime with batch 1. This is the approach Triton exists to beat.
+its runtime with batch 1. This is the approach Triton exists to beat.
 
-Two variants (``NAIVE_VARIANT``):
+Three variants (``NAIVE_VARIANT``):
 
-- ``served``: exactly the settings and ONNX files ``face_pipeline`` serves, work reductions included
-  (detector input sized to each image, SFace with its PReLU rewritten): the same work as the stack, so
-  comparing with it measures serving overhead;
-- ``plain``: the obvious deployment of the same networks: every image letterboxed to the fixed detector
-  input (640x640, ``dynamic_input=False``), decoded at full size, and an embedder file that still has its
-  PRelu nodes (the app refuses to start with one that has none).
+- ``served``: exactly what ``face_pipeline`` serves, work reductions included (detector input sized to
+  each image, reduced JPEG decode, the uint8 detector, SFace with its PReLU rewritten, the served runtime
+  and precisions): the same work as the stack, so comparing with it measures serving overhead;
+- ``served-onnxruntime``: the same files and settings on ONNX Runtime f32;
+- ``plain``: the obvious deployment of the same networks: ONNX Runtime f32, every image letterboxed to the
+  fixed detector input (640x640, ``dynamic_input=False``), decoded at full size, the original float NCHW
+  detector, and an embedder file that still has its PRelu nodes (the app refuses to start otherwise).
 
 Configuration (environment; ``bench/naive.py`` sets it and runs the app with uvicorn):
 
 - ``NAIVE_SETTINGS``: JSON of ``PipelineSettings.to_parameters()`` (the parameters face_pipeline serves)
 - ``NAIVE_DETECTOR_ONNX`` / ``NAIVE_EMBEDDER_ONNX``: the ONNX files
-- ``NAIVE_VARIANT``: ``served`` (default) or ``plain``
-- ``NAIVE_INTRA_OP_THREADS``: ONNX Runtime intra-op threads per session (0: one per core)
+- ``NAIVE_VARIANT``: ``served`` (default), ``served-onnxruntime`` or ``plain``
+- ``NAIVE_DETECTOR_RUNTIME`` / ``NAIVE_EMBEDDER_RUNTIME``: ``<runtime>:<precision>``, e.g. ``openvino:bf16``
+  (default ``onnxruntime:f32``)
+- ``NAIVE_INTRA_OP_THREADS``: intra-op threads per network (0: one per core)
 
     NAIVE_SETTINGS=... NAIVE_DETECTOR_ONNX=... NAIVE_EMBEDDER_ONNX=... NAIVE_VARIANT=plain \\
         python -m uvicorn bench.naive_app:app --port 8090
@@ -39,41 +42,64 @@ from typing import Annotated, Any
 from fastapi import FastAPI, File, HTTPException, Request, UploadFile
 
 from export.sface import prelu_nodes
-from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
-from facecore.pipeline import PipelineSettings, run_pipeline
+from facecore.pipeline import Detector, Embedder, PipelineSettings, run_pipeline
 from facecore.processing import ImageError, decode_image, original_size
+from facecore.runtimes import Runtime, RuntimeChoice, detector, embedder
+from facecore.spec import InputLayout
 
 
 @dataclass(frozen=True)
 class Models:
     settings: PipelineSettings
-    detector: OnnxDetector
-    embedder: OnnxEmbedder
+    detector: Detector
+    embedder: Embedder
     threads: int
     variant: str
     embedder_file: str
     prelu_nodes: int  # in the embedder graph
+    detector_runtime: RuntimeChoice
+    embedder_runtime: RuntimeChoice
 
 
-VARIANTS = ("served", "plain")
+VARIANTS = ("served", "served-onnxruntime", "plain")
+
+
+def runtime_choice(text: str, threads: int) -> RuntimeChoice:
+    """``openvino:bf16`` -> that runtime and precision with ``threads`` intra-op threads."""
+    runtime, _, precision = text.partition(":")
+    return RuntimeChoice(Runtime(runtime), precision or "f32", threads)
+
+
+def runtime_text(choice: RuntimeChoice) -> str:
+    return f"{choice.runtime.value}:{choice.precision}"
+
+
+def _check_plain(settings: PipelineSettings, prelu: int, choices: tuple[RuntimeChoice, ...]) -> None:
+    if prelu == 0:
+        raise ValueError("plain needs an embedder with PRelu nodes; this one has none")
+    if any(c.runtime is not Runtime.ONNXRUNTIME for c in choices):
+        raise ValueError("plain runs ONNX Runtime")
+    if settings.detector.input_layout is not InputLayout.NCHW_FLOAT:
+        raise ValueError("plain feeds the original float NCHW detector, not the served uint8 one")
 
 
 def load_models() -> Models:
-    """ONNX Runtime sessions and settings from the environment (once, at start-up)."""
+    """The two networks on their runtimes and the settings, from the environment (once, at start-up)."""
     settings = PipelineSettings.from_parameters(json.loads(os.environ["NAIVE_SETTINGS"]))
     variant = os.environ.get("NAIVE_VARIANT", "served")
     if variant not in VARIANTS:
         raise ValueError(f"NAIVE_VARIANT must be one of {VARIANTS}, not {variant!r}")
     embedder_file = os.environ["NAIVE_EMBEDDER_ONNX"]
     prelu = prelu_nodes(Path(embedder_file))
+    threads = int(os.environ.get("NAIVE_INTRA_OP_THREADS", "0"))
+    choices = tuple(runtime_choice(os.environ.get(f"NAIVE_{role}_RUNTIME", "onnxruntime:f32"), threads)
+                    for role in ("DETECTOR", "EMBEDDER"))
     if variant == "plain":
         settings = replace(settings, dynamic_input=False, decode_min_side=0)
-        if prelu == 0:
-            raise ValueError(f"plain needs an embedder with PRelu nodes; {embedder_file} has none")
-    threads = int(os.environ.get("NAIVE_INTRA_OP_THREADS", "0"))
-    detector = OnnxDetector(settings.detector, create_session(os.environ["NAIVE_DETECTOR_ONNX"], threads))
-    embedder = OnnxEmbedder(settings.embedder, create_session(embedder_file, threads))
-    return Models(settings, detector, embedder, threads, variant, Path(embedder_file).name, prelu)
+        _check_plain(settings, prelu, choices)
+    return Models(settings, detector(settings.detector, os.environ["NAIVE_DETECTOR_ONNX"], choices[0]),
+                  embedder(settings.embedder, embedder_file, choices[1]), threads, variant,
+                  Path(embedder_file).name, prelu, *choices)
 
 
 @asynccontextmanager
@@ -93,7 +119,11 @@ def health(request: Request) -> dict[str, Any]:
             "dynamic_input": settings.dynamic_input,
             "detector_input_size": list(settings.detector.input_size),
             "decode_min_side": settings.decode_min_side, "embedder_file": models.embedder_file,
-            "embedder_prelu_nodes": models.prelu_nodes}
+            "embedder_prelu_nodes": models.prelu_nodes,
+            "detector_input_layout": settings.detector.input_layout.value,
+            "detector_runtime": runtime_text(models.detector_runtime),
+            "embedder_runtime": runtime_text(models.embedder_runtime),
+            "match_threshold": settings.embedder.match_threshold}
 
 
 @app.post("/embed")

@@ -2,16 +2,22 @@
 
 ``face_pipeline`` (the *served* settings) does less work than the obvious approach, without changing its
 decisions: the detector input follows each image's aspect ratio (``dynamic_input``: fewer pixels per
-image than a 640x640 letterbox) and SFace's PReLU is rewritten as ``Relu(x) - a * Relu(-x)``
-(``export.onnx_tools.rewrite_prelu``: fewer embedder ms per face in ONNX Runtime). The *plain* variant
-undoes both: the fixed 640x640 letterbox (``dynamic_input=False``, full-size JPEG decode) and SFace
-converted from the pinned int8 file with ``fold_weight_dequantization`` + ``make_batch_dynamic`` only
+image than a 640x640 letterbox), large JPEGs are decoded at a reduced size (``decode_min_side``), the
+detector takes uint8 NHWC pixels (normalization inside the graph), SFace's PReLU is rewritten as
+``Relu(x) - a * Relu(-x)`` (``export.onnx_tools.rewrite_prelu``), and both networks run on OpenVINO at the
+precisions the export's check accepted. The *plain* variant undoes all of it, as users build it: ONNX
+Runtime f32, the original float NCHW detector file
+(``artifacts/onnx/retinaface_mnet025.fp32.bdyn.hwdyn.onnx``, fed through ``to_tensor``), the fixed
+640x640 letterbox (``dynamic_input=False``, full-size JPEG decode) and SFace converted from the pinned
+int8 file with ``fold_weight_dequantization`` + ``make_batch_dynamic`` only
 (``export.sface.convert_plain_sface`` -> ``artifacts/onnx/sface_2021dec.fp32.bdyn.112x112.prelu.onnx``,
 built once and reused).
 
-``prepare`` builds (or reuses) that file and proves it is the served network
-(``export.sface.check_same_network``): its embeddings equal the served embedder's within ``TOLERANCE``
-on every face the served detector finds in the benchmark's photos (and their mirror images).
+``prepare`` builds (or reuses) that file and proves both networks are the served ones: the plain
+embedder's embeddings equal the served embedder's within ``TOLERANCE`` (``export.sface.check_same_network``)
+on every face the served detector finds in the benchmark's photos (and their mirror images), and the
+original detector's outputs equal the served uint8 detector's within ``DETECTOR_TOLERANCE`` on the
+photos letterboxed to 640x640 (both on ONNX Runtime).
 """
 
 from __future__ import annotations
@@ -32,15 +38,22 @@ from export.sface import (
     convert_plain_sface,
     prelu_nodes,
 )
-from facecore.onnx_runtime import OnnxDetector, create_session
-from facecore.pipeline import PipelineSettings, detect
-from facecore.processing import ImageArray, align_faces, decode_image
+from facecore.pipeline import PipelineSettings, detect, network_input
+from facecore.processing import ImageArray, align_faces, decode_image, letterbox
+from facecore.runtimes import Runtime, RuntimeChoice, runner
+from facecore.spec import InputLayout
 
 log = logging.getLogger(__name__)
 
 #: The pinned int8 SFace (``python -m export defaults`` fetches it) and its conversion without the rewrite.
 SHIPPED_SFACE = ARTIFACTS / "onnx" / SHIPPED_FILE
 PLAIN_EMBEDDER = ARTIFACTS / "onnx" / PLAIN_FILE
+#: The detector as ``python -m export defaults`` fetches it: float NCHW input, before the uint8 edit.
+PLAIN_DETECTOR = ARTIFACTS / "onnx" / "retinaface_mnet025.fp32.bdyn.hwdyn.onnx"
+#: Largest |difference| allowed between its outputs and the served detector's (measured: ~1e-5; the
+#: uint8 edit moves mean subtraction into the graph, float rounding only).
+DETECTOR_TOLERANCE = 1e-3
+ONNXRUNTIME = RuntimeChoice(Runtime.ONNXRUNTIME, "f32", 1)
 SERVED, PLAIN = "served", "plain"
 VARIANTS = (SERVED, PLAIN)
 
@@ -49,28 +62,61 @@ VARIANTS = (SERVED, PLAIN)
 class PlainModels:
     """The plain variant's models and the check that its embedder is the served network."""
 
-    models: ServedModels  # plain settings (fixed input, full decode), served detector, PReLU embedder
+    #: plain settings (fixed input, full decode), ONNX Runtime, original detector, PReLU embedder
+    models: ServedModels
     prelu_nodes: int  # PRelu nodes in the plain embedder
     served_prelu_nodes: int  # ... and in the served one (0 once rewritten)
     faces: int  # aligned faces the two embedders were compared on
     max_abs_diff: float
     built: bool  # converted in this run (False: an existing file was reused)
+    detector_max_abs_diff: float = 0.0  # original vs served detector outputs, same letterboxed photos
 
     def describe(self) -> str:
         return (f"`{self.models.embedder_file.name}` ({self.prelu_nodes} PRelu nodes; the served embedder "
                 f"has {self.served_prelu_nodes}) gives the served embeddings within {self.max_abs_diff:.1e} "
-                f"(<= {TOLERANCE:g}) on {self.faces} aligned faces")
+                f"(<= {TOLERANCE:g}) on {self.faces} aligned faces; `{self.models.detector_file.name}` "
+                f"(float NCHW) gives the served detector's outputs within {self.detector_max_abs_diff:.1e} "
+                f"(<= {DETECTOR_TOLERANCE:g})")
 
 
 def plain_settings(settings: PipelineSettings) -> PipelineSettings:
-    """The served settings without the work reductions: fixed detector input, full-size decode."""
-    return replace(settings, dynamic_input=False, decode_min_side=0)
+    """The served settings without the work reductions: fixed detector input, full-size decode, the
+    detector fed float NCHW."""
+    return replace(settings, dynamic_input=False, decode_min_side=0,
+                   detector=replace(settings.detector, input_layout=InputLayout.NCHW_FLOAT))
+
+
+def plain_models(models: ServedModels, embedder_file: Path = PLAIN_EMBEDDER,
+                 detector_file: Path = PLAIN_DETECTOR) -> ServedModels:
+    """What the plain variant runs (nothing checked here: ``prepare`` does that)."""
+    size = "x".join(map(str, models.settings.detector.input_size))
+    return replace(models, settings=plain_settings(models.settings), detector_file=detector_file,
+                   embedder_file=embedder_file, detector_runtime=ONNXRUNTIME, embedder_runtime=ONNXRUNTIME,
+                   summary=f"plain: ONNX Runtime f32, fixed {size} detector input, {detector_file.name}, "
+                           f"{embedder_file.name}")
+
+
+def detector_difference(served: ServedModels, plain: ServedModels, photos: Mapping[str, bytes]) -> float:
+    """Largest |difference| between the plain and the served detector's outputs (both on ONNX Runtime) on
+    ``photos`` letterboxed to the fixed input, each fed its own way (float NCHW / uint8 NHWC)."""
+    spec, plain_spec = served.settings.detector, plain.settings.detector
+    run_served = runner(served.detector_file, spec.output_names, ONNXRUNTIME)
+    run_plain = runner(plain.detector_file, plain_spec.output_names, ONNXRUNTIME)
+    width, height = spec.input_size
+    fill = spec.mean[::-1] if spec.swap_rb else spec.mean
+    worst = 0.0
+    for data in photos.values():
+        canvas, _ = letterbox(decode_image(data, served.settings.max_pixels), width, height, fill)
+        pairs = zip(run_served(network_input(canvas[None], spec)),
+                    run_plain(network_input(canvas[None], plain_spec)), strict=True)
+        worst = max([worst, *(float(np.abs(a - b).max()) for a, b in pairs)])
+    return worst
 
 
 def aligned_faces(models: ServedModels, photos: Mapping[str, bytes]) -> ImageArray:
     """Every face the served detector finds in ``photos``, aligned, plus each mirrored."""
     settings = models.settings
-    detector = OnnxDetector(settings.detector, create_session(models.detector_file, 1))
+    detector = models.detector(1)
     images = [decode_image(data, settings.max_pixels) for data in photos.values()]
     found = detect(images, [settings.default_options] * len(images), settings, detector)
     size = settings.embedder.input_size[0]
@@ -80,9 +126,12 @@ def aligned_faces(models: ServedModels, photos: Mapping[str, bytes]) -> ImageArr
 
 
 def prepare(models: ServedModels, photos: Mapping[str, bytes], target: Path = PLAIN_EMBEDDER,
-            source: Path = SHIPPED_SFACE) -> PlainModels:
-    """Build (or reuse) the plain embedder and check it against the served one; raises when it is not
-    the same network (no PReLU, or embeddings further apart than ``TOLERANCE``)."""
+            source: Path = SHIPPED_SFACE, detector_file: Path = PLAIN_DETECTOR) -> PlainModels:
+    """Build (or reuse) the plain embedder and check both plain networks against the served ones; raises
+    when one is not the same network (no PReLU; embeddings or detector outputs further apart than
+    ``TOLERANCE`` / ``DETECTOR_TOLERANCE``; no original detector file)."""
+    if not detector_file.exists():
+        raise FileNotFoundError(f"no original detector at {detector_file}: run `python -m export defaults`")
     built = convert_plain_sface(source, target)
     count = prelu_nodes(target)
     if count == 0:
@@ -94,7 +143,11 @@ def prepare(models: ServedModels, photos: Mapping[str, bytes], target: Path = PL
         raise RuntimeError(f"the plain embedder is not the served network: {exc}") from exc
     log.info("plain embedder %s: %d PRelu nodes, max |diff| %.2e vs the served one on %d faces",
              target.name, count, difference, len(crops))
-    plain = replace(models, settings=plain_settings(models.settings), embedder_file=target,
-                    summary=f"plain: fixed {'x'.join(map(str, models.settings.detector.input_size))} "
-                            f"detector input, {target.name}")
-    return PlainModels(plain, count, prelu_nodes(models.embedder_file), len(crops), difference, built)
+    plain = plain_models(models, target, detector_file)
+    detector_diff = detector_difference(models, plain, photos)
+    if detector_diff > DETECTOR_TOLERANCE:
+        raise RuntimeError(f"the plain detector {detector_file.name} is not the served network: outputs "
+                           f"differ by {detector_diff:.2e} (> {DETECTOR_TOLERANCE:g})")
+    log.info("plain detector %s: max |diff| %.2e vs the served one", detector_file.name, detector_diff)
+    return PlainModels(plain, count, prelu_nodes(models.embedder_file), len(crops), difference, built,
+                       detector_diff)

@@ -19,6 +19,7 @@ from bench import naive as naive_part
 from bench import perf_analyzer as pa_part
 from bench import report_text as text
 from bench import stack as stack_part
+from bench.ceiling import PhotoCeiling
 from bench.core.reporting import read_section, write_section
 from bench.report_plots import PLOTS, plots
 from bench.report_targets import Ratio, Target, ratio_table, ratios, target_table, targets
@@ -26,12 +27,14 @@ from bench.report_text import say
 from bench.results import (
     NAIVE_PLAIN,
     NAIVE_SERVED,
+    NAIVE_SERVED_ORT,
     ONE_FACE,
     SIX_FACES,
     TARGET_CONCURRENCY,
     Results,
     best_naive,
     ceiling_of,
+    ort_ceiling,
 )
 
 __all__ = ["Ratio", "Results", "Target", "document", "ratios", "section", "targets", "write"]
@@ -41,7 +44,7 @@ SECTION = "bench"
 BASELINE_SERVED, BASELINE_PLAIN = text.BASELINE_SERVED, text.BASELINE_PLAIN
 
 
-# --- the two naive baselines --------------------------------------------------------------------------
+# --- the naive baselines ------------------------------------------------------------------------------
 
 
 def _at_one_thread(sweep: dict[int, dict[int, float]]) -> tuple[int, float] | None:
@@ -55,7 +58,7 @@ def _at_one_thread(sweep: dict[int, dict[int, float]]) -> tuple[int, float] | No
 def _detector_text(results: Results) -> str:
     parts, threads = [], None
     for photo in (ONE_FACE, SIX_FACES):
-        served, plain = ceiling_of(results, photo, "served"), ceiling_of(results, photo, "plain")
+        served, plain = _same_runtime_as_plain(results, photo), ceiling_of(results, photo, "plain")
         if not (served and plain):
             continue
         (w, h), (pw, ph) = served.input_size, plain.input_size
@@ -71,8 +74,14 @@ def _detector_text(results: Results) -> str:
     return "; ".join(parts) + (say(text.DETECTOR_THREADS, threads=threads) if threads else "")
 
 
+def _same_runtime_as_plain(results: Results, photo: str) -> PhotoCeiling | None:
+    """The served files and settings on ONNX Runtime (plain's runtime), so the comparison with plain shows the
+    work reductions alone; the served row when no ONNX Runtime row was measured."""
+    return ort_ceiling(results, photo) or ceiling_of(results, photo, "served")
+
+
 def _embedder_text(results: Results) -> str:
-    served = next((c for c in results.ceiling if c.variant == "served"), None)
+    served = _same_runtime_as_plain(results, ONE_FACE)
     plain = next((c for c in results.ceiling if c.variant == "plain"), None)
     a = _at_one_thread(served.embedder_ms) if served else None
     b = _at_one_thread(plain.embedder_ms) if plain else None
@@ -89,10 +98,17 @@ def baselines_text(results: Results) -> str:
     """What each naive baseline runs, which target uses which, and where the work reduction comes from
     (with this run's numbers where they were measured)."""
     c = TARGET_CONCURRENCY
-    lines = [say(text.BASELINES, served=NAIVE_SERVED, plain=NAIVE_PLAIN,
+    lines = [say(text.BASELINES, served=NAIVE_SERVED, served_ort=NAIVE_SERVED_ORT, plain=NAIVE_PLAIN,
                  check=say(text.PLAIN_CHECK, check=results.plain_check) if results.plain_check else "",
                  detector=_detail(_detector_text(results)), embedder=_detail(_embedder_text(results)))]
     served, plain = best_naive(results.naive, ONE_FACE, c), best_naive(results.naive_plain, ONE_FACE, c)
+    ort = best_naive(results.naive_onnxruntime, ONE_FACE, c)
+    if ort and plain:
+        lines.append(say(text.REDUCTIONS_ALONE, speedup=ort.throughput / plain.throughput, c=c,
+                         served=ort.throughput, plain=plain.throughput, photo=ONE_FACE))
+    if served and ort:
+        lines.append(say(text.RUNTIME_ALONE, speedup=served.throughput / ort.throughput, c=c,
+                         served=served.throughput, ort=ort.throughput, photo=ONE_FACE))
     if served and plain:
         lines.append(say(text.TOGETHER, speedup=served.throughput / plain.throughput, c=c,
                          served=served.throughput, plain=plain.throughput, photo=ONE_FACE))
@@ -114,8 +130,9 @@ def _header(results: Results) -> str:
 
 def _load_sections(results: Results) -> list[str]:
     parts = []
-    if results.naive or results.naive_plain:
-        parts += [text.NAIVE_HEADING, naive_part.load_table([*results.naive, *results.naive_plain])]
+    naive_rows = [*results.naive, *results.naive_onnxruntime, *results.naive_plain]
+    if naive_rows:
+        parts += [text.NAIVE_HEADING, naive_part.load_table(naive_rows)]
     if results.stack:
         parts += [text.STACK_HEADING, stack_part.load_table(results.stack),
                   text.STACK_CPU, stack_part.cpu_table(results.stack),

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench import ceiling as ceiling_part
+from bench import report_load_targets as load_targets
 from bench import report_text as text
-from bench.ceiling import PhotoCeiling
 from bench.core.load import LoadRow
-from bench.core.reporting import markdown_table, usable_cores
+from bench.core.reporting import markdown_table
+from bench.report_checks import Target, not_measured, sentence, status, throughput_why
 from bench.report_text import say
 from bench.results import (
     NAIVE_PLAIN,
@@ -22,10 +23,13 @@ from bench.results import (
     baselines,
     best_naive,
     find,
+    ort_ceiling,
     peak,
     served_ceiling,
 )
 from bench.stack import GRPC, REST
+
+__all__ = ["Ratio", "Target", "ratio_table", "ratios", "target_table", "targets"]
 
 # --- ratios -------------------------------------------------------------------------------------------
 
@@ -51,7 +55,11 @@ def ratios(results: Results) -> list[Ratio]:
             out.append(Ratio(name, num / den, num_text, den_text))
 
     for photo in (ONE_FACE, SIX_FACES):
-        ceiling = served_ceiling(results, photo)
+        ceiling, ort = served_ceiling(results, photo), ort_ceiling(results, photo)
+        if ceiling and ort and ceiling is not ort and ceiling.layouts and ort.layouts:
+            add(say(text.RATIO_RUNTIMES, photo=photo), ceiling.images_per_s,
+                say(text.IMAGES_PER_S_OF, value=ceiling.images_per_s, target=ceiling.runtime),
+                ort.images_per_s, say(text.IMAGES_PER_S_OF, value=ort.images_per_s, target=ort.runtime))
         limit = ceiling.images_per_s if ceiling else None
         limit_text = say(text.CEILING_IMAGES_PER_S, value=limit) if limit else ""
         for target in (REST, GRPC):
@@ -113,99 +121,95 @@ def ratio_table(items: Sequence[Ratio]) -> str:
 # --- targets ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Target:
-    name: str
-    measured: str
-    status: str  # text.PASS, text.SHORT, text.NOT_MEASURED
-    why: str = ""
-
-
-def _status(ok: bool) -> str:
-    return text.PASS if ok else text.SHORT
-
-
-def _sentence(why: str) -> str:
-    return why + ("." if why else "")
-
-
-def _cpu_line(row: LoadRow) -> str:
-    parts = [say(text.CPU_PART, name=text.LOAD_CLIENT, ms=row.client_cpu_ms)]
-    parts += [say(text.CPU_PART, name=k, ms=v) for k, v in row.cpu_ms.items()]
-    return say(text.CPU_LINE, total=row.cpu_ms_total, parts=", ".join(parts))
-
-
-def _throughput_why(row: LoadRow, reference: float, reference_cpu: float, reference_name: str) -> str:
-    cores = usable_cores()
-    why = say(text.WHY_THROUGHPUT, target=row.target, cpu_line=_cpu_line(row), reference_name=reference_name,
-              reference_cpu=reference_cpu, reference=reference, cores=cores,
-              bound=cores * 1000 / max(row.cpu_ms_total, 1e-9))
-    biggest = sorted(row.cpu_detail_ms.items(), key=lambda kv: -kv[1])[:3]
-    if biggest:
-        consumers = ", ".join(say(text.CONSUMER, name=k.split(": ")[-1], ms=v) for k, v in biggest)
-        why += say(text.WHY_CONSUMERS, consumers=consumers)
-    share = row.client_cpu_ms / max(row.cpu_ms_total, 1e-9)
-    if share > 0.1:
-        why += say(text.WHY_LOAD_CLIENT, share=share)
-    return why + "."
-
-
 def _split_why(split: ceiling_part.StageSplit) -> str:
     stages = sorted(((ms, name) for name, ms in split.stages_ms.items()
                      if name not in ceiling_part.MODEL_STAGES), reverse=True)
     return ", ".join(say(text.STEP, name=name, ms=ms) for ms, name in stages[:3])
 
 
-def _missing(results: Results, parts: Sequence[str]) -> str:
-    failed = [f"{name}: {error}" for name, error in results.errors.items() if any(p in name for p in parts)]
-    return "; ".join(failed) if failed else text.NOT_IN_RUN
+#: Issue 10's factors: the served runtime's ceiling over ONNX Runtime's, REST identify over the plain naive
+#: baseline (per photo), over naive served on the same runtime, and over the same runtime's ceiling.
+RUNTIME_FACTORS = {ONE_FACE: 1.3, SIX_FACES: 1.7}
+PLAIN_FACTORS = {ONE_FACE: 1.6, SIX_FACES: 2.0}
+SERVED_FACTOR = 0.9
+CEILING_SHARE = 0.8
 
 
-def _not_measured(name: str, results: Results, parts: Sequence[str]) -> Target:
-    return Target(name, "—", text.NOT_MEASURED, _missing(results, parts))
+def _models_ms(split: ceiling_part.StageSplit) -> float:
+    return sum(split.stages_ms[s] for s in ceiling_part.MODEL_STAGES)
 
 
-def _vs_ceiling(results: Results) -> Target:
+def _runtimes(results: Results) -> list[Target]:
+    """The served runtime's in-process ceiling against ONNX Runtime's on the same files and settings."""
+    out = []
+    for photo, factor in RUNTIME_FACTORS.items():
+        served, ort = served_ceiling(results, photo), ort_ceiling(results, photo)
+        name = say(text.TARGET_RUNTIME, factor=factor, photo=photo)
+        if not (served and ort and served.layouts and ort.layouts and served is not ort):
+            out.append(not_measured(name, results, ("ceiling",)))
+            continue
+        ratio = served.images_per_s / ort.images_per_s
+        why = ""
+        if ratio < factor and served.splits and ort.splits:
+            a, b = served.best_split, ort.best_split
+            why = say(text.WHY_RUNTIME, single=a.total_ms, ort_single=b.total_ms, models=_models_ms(a),
+                      ort_models=_models_ms(b), outside=a.outside_models_ms, ort_outside=b.outside_models_ms)
+        measured = say(text.MEASURED_RUNTIME, served=served.images_per_s, runtime=served.runtime,
+                       ort=ort.images_per_s, ratio=ratio)
+        out.append(Target(name, measured, status(ratio >= factor), why))
+    return out
+
+
+def _vs_ceiling(results: Results) -> list[Target]:
+    """REST identify against the in-process ceiling of the runtime the stack serves, per photo."""
+    c, out = TARGET_CONCURRENCY, []
+    for photo in (ONE_FACE, SIX_FACES):
+        ceiling, rest = served_ceiling(results, photo), find(results.stack, REST, photo, c)
+        name = say(text.TARGET_VS_CEILING, c=c, share=CEILING_SHARE, photo=photo)
+        if not (rest and ceiling and ceiling.best_layout):
+            out.append(not_measured(name, results, ("stack", "ceiling")))
+            continue
+        share = rest.throughput / ceiling.images_per_s
+        why = "" if share >= CEILING_SHARE else throughput_why(
+            rest, ceiling.images_per_s, ceiling.best_layout.cpu_ms_per_image,
+            f"the ceiling ({ceiling.runtime}, {ceiling.best_layout.label})")
+        measured = say(text.MEASURED_VS_CEILING, rest=rest.throughput, ceiling=ceiling.images_per_s,
+                       share=share, runtime=ceiling.runtime)
+        out.append(Target(name, measured, status(share >= CEILING_SHARE), why))
+    return out
+
+
+def _vs_baseline(results: Results, photo: str, factor: float, naive: LoadRow | None, baseline: str
+                 ) -> Target:
     c = TARGET_CONCURRENCY
-    ceiling, rest = served_ceiling(results, ONE_FACE), find(results.stack, REST, ONE_FACE, c)
-    name = say(text.TARGET_VS_CEILING, c=c)
-    if not (rest and ceiling and ceiling.best_layout):
-        return _not_measured(name, results, ("stack", "ceiling"))
-    share = rest.throughput / ceiling.images_per_s
-    why = "" if share >= 0.85 else _throughput_why(rest, ceiling.images_per_s,
-                                                   ceiling.best_layout.cpu_ms_per_image,
-                                                   f"the ceiling ({ceiling.best_layout.label})")
-    measured = say(text.MEASURED_VS_CEILING, rest=rest.throughput, ceiling=ceiling.images_per_s, share=share)
-    return Target(name, measured, _status(share >= 0.85), why)
+    rest, ceiling = find(results.stack, REST, photo, c), served_ceiling(results, photo)
+    name = say(text.TARGET_VS_BASELINE, c=c, factor=factor, baseline=baseline, photo=photo)
+    if not (rest and naive):
+        return not_measured(name, results, ("stack", "naive"))
+    ratio = rest.throughput / naive.throughput
+    why = ""
+    if ratio < factor:
+        why = throughput_why(rest, naive.throughput, naive.cpu_ms_total, naive.target)
+        if ceiling and ceiling.layouts and naive.throughput * factor > ceiling.images_per_s:
+            why += say(text.WHY_ABOVE_CEILING, factor=factor, needed=naive.throughput * factor,
+                       ceiling=ceiling.images_per_s)
+        served = best_naive(results.naive, photo, c)
+        if baseline == text.BASELINE_PLAIN and served:
+            why += say(text.WHY_REDUCTIONS_ALONE, speedup=served.throughput / naive.throughput,
+                       served_name=NAIVE_SERVED, served=served.throughput)
+    measured = say(text.MEASURED_VS_BASELINE, rest=rest.throughput, naive=naive.throughput, ratio=ratio,
+                   target=naive.target, photo=photo)
+    return Target(name, measured, status(ratio >= factor), why)
 
 
 def _vs_baselines(results: Results) -> list[Target]:
-    """0.95x the served-settings baseline (the same work, so this is the serving overhead), 1.5x the plain
-    one (the obvious deployment: less work counts)."""
+    """1.6x / 2.0x the plain baseline (the obvious deployment: less work and a faster runtime count), 0.9x
+    the served baseline on the same runtime (the same work: this is the serving overhead)."""
     c = TARGET_CONCURRENCY
-    ceiling, rest = served_ceiling(results, ONE_FACE), find(results.stack, REST, ONE_FACE, c)
-    served_naive = best_naive(results.naive, ONE_FACE, c)
-    plain_naive = best_naive(results.naive_plain, ONE_FACE, c)
-    out = []
-    for factor, naive, baseline in ((0.95, served_naive, text.BASELINE_SERVED),
-                                    (1.5, plain_naive, text.BASELINE_PLAIN)):
-        name = say(text.TARGET_VS_BASELINE, c=c, factor=factor, baseline=baseline)
-        if not (rest and naive):
-            out.append(_not_measured(name, results, ("stack", "naive")))
-            continue
-        ratio = rest.throughput / naive.throughput
-        why = ""
-        if ratio < factor:
-            why = _throughput_why(rest, naive.throughput, naive.cpu_ms_total, naive.target)
-            if ceiling and ceiling.layouts and naive.throughput * factor > ceiling.images_per_s:
-                why += say(text.WHY_ABOVE_CEILING, factor=factor, needed=naive.throughput * factor,
-                           ceiling=ceiling.images_per_s)
-            if naive is plain_naive and served_naive:
-                why += say(text.WHY_REDUCTIONS_ALONE, speedup=served_naive.throughput / naive.throughput,
-                           served_name=NAIVE_SERVED, served=served_naive.throughput)
-        measured = say(text.MEASURED_VS_BASELINE, rest=rest.throughput, naive=naive.throughput, ratio=ratio,
-                       target=naive.target)
-        out.append(Target(name, measured, _status(ratio >= factor), why))
+    out = [_vs_baseline(results, photo, factor, best_naive(results.naive_plain, photo, c),
+                        text.BASELINE_PLAIN) for photo, factor in PLAIN_FACTORS.items()]
+    out += [_vs_baseline(results, photo, SERVED_FACTOR, best_naive(results.naive, photo, c),
+                         text.BASELINE_SERVED) for photo in (ONE_FACE, SIX_FACES)]
     return out
 
 
@@ -219,7 +223,7 @@ def _outside_models(results: Results) -> list[Target]:
         stats = (grpc.triton or {}).get("face_pipeline", {}) if grpc else {}
         name = say(text.TARGET_OUTSIDE_TRITON, c=concurrency)
         if "outside_models_ms_per_image" not in stats:
-            out.append(_not_measured(name, results, ("stack",)))
+            out.append(not_measured(name, results, ("stack",)))
             continue
         value = stats["outside_models_ms_per_image"]
         why = ""
@@ -229,79 +233,21 @@ def _outside_models(results: Results) -> list[Target]:
             if split:
                 why += say(text.WHY_TRITON_OWN, inprocess=split.outside_models_ms, steps=_split_why(split),
                            own=value - split.outside_models_ms)
-        out.append(Target(name, say(text.MS, value=value), _status(value <= 3), _sentence(why)))
+        out.append(Target(name, say(text.MS, value=value), status(value <= 3), sentence(why)))
     if split:
         value = split.outside_models_ms
         why = "" if value <= 3 else say(text.WHY_LARGEST_STEPS, steps=_split_why(split))
         measured = say(text.MEASURED_SPLIT, value=value, threads=split.threads)
-        out.append(Target(text.TARGET_OUTSIDE_SPLIT, measured, _status(value <= 3), why))
+        out.append(Target(text.TARGET_OUTSIDE_SPLIT, measured, status(value <= 3), why))
     else:
-        out.append(_not_measured(text.TARGET_OUTSIDE_SPLIT, results, ("ceiling",)))
-    return out
-
-
-def _latency(results: Results) -> list[Target]:
-    ceiling = served_ceiling(results, ONE_FACE)
-    out = []
-    for target in (REST, GRPC):
-        row = find(results.stack, target, ONE_FACE, 1)
-        name = say(text.TARGET_LATENCY, target=target)
-        if not (row and ceiling):
-            out.append(_not_measured(name, results, ("stack", "ceiling")))
-            continue
-        ratio = row.p50_ms / ceiling.single_image_ms
-        why = _latency_why(results, row, ceiling) if ratio > 1.3 else ""
-        measured = say(text.MEASURED_LATENCY, p50=row.p50_ms, single=ceiling.single_image_ms, ratio=ratio)
-        out.append(Target(name, measured, _status(ratio <= 1.3), why))
-    return out
-
-
-def _latency_why(results: Results, row: LoadRow, ceiling: PhotoCeiling) -> str:
-    parts = [say(text.WHY_CEILING_SINGLE, single=ceiling.single_image_ms)]
-    stats = row.triton or {}
-    if stats:
-        queue = sum(s.get("queue_ms_per_request", 0.0) for s in stats.values())
-        parts.append(say(text.WHY_QUEUES, queue=queue))
-        outside = stats.get("face_pipeline", {}).get("outside_models_ms_per_image")
-        if outside is not None:
-            parts.append(say(text.WHY_PIPELINE_OUTSIDE, outside=outside,
-                             inprocess=ceiling.best_split.outside_models_ms))
-        compute = sum(stats[m].get("compute_ms_per_item", 0.0) for m in ("face_detector", "face_embedder")
-                      if m in stats)
-        inprocess = sum(ceiling.best_split.stages_ms[s] for s in ceiling_part.MODEL_STAGES)
-        parts.append(say(text.WHY_NETWORKS, stubs=compute, inprocess=inprocess))
-    if row.target == REST:
-        grpc = find(results.stack, GRPC, row.photo, 1)
-        if grpc:
-            parts.append(say(text.WHY_GATEWAY, extra=row.p50_ms - grpc.p50_ms))
-    return "; ".join(parts) + "."
-
-
-def _memory(results: Results) -> list[Target]:
-    memory, out = results.memory, []
-    for process, label in text.MEMORY_LABELS.items():
-        name = say(text.TARGET_MEMORY, label=label, c=memory.concurrency if memory else TARGET_CONCURRENCY,
-                   minutes=memory.minutes if memory else "?")
-        flat = memory.flatness(process) if memory and process in memory.rss_mib else {}
-        if not flat:
-            out.append(_not_measured(name, results, ("memory", "stack")))
-            continue
-        ok = flat["max_deviation_pct"] <= 10
-        why = "" if ok else say(text.WHY_MEMORY, start=flat["start"], max=flat["max"],
-                                slope=flat["slope_mib_per_min"])
-        if not ok and process == "triton" and memory and memory.breakdown_mib:
-            biggest = sorted(memory.breakdown_mib.items(), key=lambda kv: -kv[1])[:3]
-            why += say(text.WHY_MEMORY_LARGEST,
-                       processes=", ".join(say(text.PROCESS_MIB, name=k, mib=v) for k, v in biggest))
-        measured = say(text.MEASURED_MEMORY, start=flat["start"], end=flat["end"],
-                       deviation=flat["max_deviation_pct"])
-        out.append(Target(name, measured, _status(ok), _sentence(why)))
+        out.append(not_measured(text.TARGET_OUTSIDE_SPLIT, results, ("ceiling",)))
     return out
 
 
 def targets(results: Results) -> list[Target]:
-    return [_vs_ceiling(results), *_vs_baselines(results), *_outside_models(results), *_latency(results),
-            *_memory(results)]
+    return [*_runtimes(results), *_vs_ceiling(results), *_vs_baselines(results), *_outside_models(results),
+            *load_targets.latency(results), *load_targets.under_load(results), *load_targets.memory(results),
+            *load_targets.gateway_cpu(results)]
 
 
 def target_table(items: Sequence[Target]) -> str:

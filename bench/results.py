@@ -15,9 +15,14 @@ from bench.stack import MemoryRun
 
 ONE_FACE, SIX_FACES = "obama.jpg", "t1.jpg"
 TARGET_CONCURRENCY = 8
-#: The two naive baselines (bench/plain.py): the served settings (the same work as the stack) and the plain
-#: deployment of the same networks (fixed 640x640 detector input, SFace with PReLU).
-NAIVE_SERVED, NAIVE_PLAIN = "naive served", "naive plain"
+#: The concurrency the load targets look at beyond the target one, and the memory run's.
+HIGH_CONCURRENCY = 16
+#: The naive baselines (bench/plain.py): what face_pipeline serves (the same work as the stack, on the same
+#: runtime), the same on ONNX Runtime f32, and the plain deployment of the same networks (ONNX Runtime, the
+#: original float detector at fixed 640x640, SFace with PReLU).
+NAIVE_SERVED, NAIVE_SERVED_ORT, NAIVE_PLAIN = "naive served", "naive served on ONNX Runtime", "naive plain"
+#: Ceiling variants (bench/ceiling.py): the served runtime and ONNX Runtime f32 on the same files.
+CEILING_SERVED, CEILING_ORT = "served", "onnxruntime"
 
 
 @dataclass
@@ -32,8 +37,9 @@ class Results:
     ceiling: list[PhotoCeiling] = field(default_factory=list)
     naive: list[LoadRow] = field(default_factory=list)  # the naive baseline with the served settings
     naive_plain: list[LoadRow] = field(default_factory=list)  # ... fixed 640x640, PReLU embedder
+    naive_onnxruntime: list[LoadRow] = field(default_factory=list)  # the served files on ONNX Runtime f32
     plain_check: str = ""  # bench.plain: the plain embedder equals the served one (PlainModels.describe)
-    naive_agreement: str = ""  # faces and embeddings of the two naive variants (naive.agreement)
+    naive_agreement: str = ""  # faces and decisions of each naive variant vs plain
     stack: list[LoadRow] = field(default_factory=list)
     perf_analyzer: list[PaResult] = field(default_factory=list)
     memory: MemoryRun | None = None
@@ -52,8 +58,8 @@ class Results:
         """The inverse of ``to_json`` (``results.json`` back into a ``Results``: re-render a report)."""
         values = dict(data)
         values["ceiling"] = [_ceiling(c) for c in data["ceiling"]]
-        for name in ("naive", "naive_plain", "stack"):
-            values[name] = [LoadRow(**row) for row in data[name]]
+        for name in ("naive", "naive_plain", "naive_onnxruntime", "stack"):
+            values[name] = [LoadRow(**row) for row in data.get(name, [])]
         values["perf_analyzer"] = [PaResult(**{**p, "rows": [PaRow(**r) for r in p["rows"]]})
                                    for p in data["perf_analyzer"]]
         memory = data.get("memory")
@@ -102,5 +108,16 @@ def ceiling_of(results: Results, photo: str, variant: str) -> PhotoCeiling | Non
     return next((c for c in results.ceiling if c.photo == photo and c.variant == variant), None)
 
 
+def ort_ceiling(results: Results, photo: str) -> PhotoCeiling | None:
+    """The ceiling on ONNX Runtime f32 with the served files and settings (the served one when the
+    repository serves ONNX Runtime itself)."""
+    ort = ceiling_of(results, photo, CEILING_ORT)
+    served = served_ceiling(results, photo)
+    return ort or (served if served and served.runtime.startswith("onnxruntime") else None)
+
+
 def baselines(results: Results) -> tuple[tuple[str, list[LoadRow]], ...]:
-    return (NAIVE_SERVED, results.naive), (NAIVE_PLAIN, results.naive_plain)
+    out = [(NAIVE_SERVED, results.naive), (NAIVE_PLAIN, results.naive_plain)]
+    if results.naive_onnxruntime:
+        out.insert(1, (NAIVE_SERVED_ORT, results.naive_onnxruntime))
+    return tuple(out)

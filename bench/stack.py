@@ -14,7 +14,7 @@ enrolled, then measures
 at each concurrency: throughput, p50/p90/p99 latency, CPU per request of the load client (this process),
 the gateway and the Triton process tree (server + Python-backend stubs), their resident memory, and
 Triton's statistics per model (average batch, queue vs compute time, time outside the two networks).
-The memory run keeps REST identify at concurrency 8 for ``--memory-minutes`` and samples the resident
+The memory run keeps REST identify at concurrency 16 for ``--memory-minutes`` and samples the resident
 memory of the gateway and of the Triton process tree every few seconds.
 """
 
@@ -201,7 +201,7 @@ class MemoryRun:
                 "slope_mib_per_min": slope}
 
 
-def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency: int = 8,
+def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency: int = 16,
                interval_s: float | None = None) -> MemoryRun:
     """REST identify at ``concurrency`` for ``minutes`` while sampling resident memory, after a warm-up at the
     same load (10 % of the run, at most 30 s) that is not sampled: buffers for the batch shapes this load

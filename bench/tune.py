@@ -4,11 +4,15 @@
 
 Each candidate is a full repository (written by ``export``) served by a fresh tritonserver and
 measured over gRPC with real photos: p50/p99 at concurrency 1 and throughput at concurrency 8.
-The search is coordinate descent from the current default: one dimension at a time (ONNX Runtime
-threads per model, instances, preferred batch sizes and queue delay, detector input size, decode
-path), keeping a change only when throughput at concurrency 8 improves by more than the noise
-margin while p99 at concurrency 8 stays within the budget. The winner is written to
-``export/tuning/cpu.json`` (the default from then on) and into ``model_repository/cpu``.
+The search is coordinate descent from the current default: one dimension at a time (the runtime,
+OpenVINO or ONNX Runtime; the layout, BLS or the two networks inside face_pipeline; instances x threads
+per network; pipeline instances; preferred batch sizes and queue delay; detector input size; decode
+path), keeping a change only when throughput at concurrency 8 improves by more than the noise margin
+while p99 at concurrency 8 stays within the budget. The winner is written to
+``export/tuning/cpu.json`` (the default from then on) and into ``model_repository/cpu``; ``--dry-run``
+measures and reports only (for a noisy machine), ``--dimensions`` sweeps only the named ones.
+
+    python -m bench.tune --dry-run --dimensions runtime layout "detector instances x threads"
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import logging
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -54,6 +58,12 @@ def _batching(model: str, **changes: object) -> Mutation:
     return lambda t: replace(t, **{model: replace(getattr(t, model), **changes)})
 
 
+def _model(model: str, instances: int, threads: int) -> Mutation:
+    """``instances`` x ``threads`` for one network (``detector`` or ``embedder``)."""
+    return lambda t: replace(t, **{model: replace(getattr(t, model), instances=instances),
+                                   f"{model}_threads": threads})
+
+
 def _model_delay(tuning: ProfileTuning, microseconds: int) -> ProfileTuning:
     return replace(tuning, detector=replace(tuning.detector, queue_delay_us=microseconds),
                    embedder=replace(tuning.embedder, queue_delay_us=microseconds))
@@ -61,27 +71,28 @@ def _model_delay(tuning: ProfileTuning, microseconds: int) -> ProfileTuning:
 
 #: Dimensions in the order they are tried, each with its candidate values.
 DIMENSIONS: dict[str, dict[str, Mutation]] = {
+    "runtime": {
+        "OpenVINO (precision per network by the export's check)": lambda t: replace(t, runtime="openvino"),
+        "ONNX Runtime f32": lambda t: replace(t, runtime="onnxruntime"),
+    },
+    "layout": {
+        "BLS: face_pipeline calls face_detector / face_embedder": lambda t: replace(t, layout="bls"),
+        "in_process: both networks inside face_pipeline": lambda t: replace(t, layout="in_process"),
+    },
     "spinning": {
         "ONNX Runtime threads do not spin": lambda t: replace(t, spinning=False),
         "ONNX Runtime threads spin": lambda t: replace(t, spinning=True),
     },
-    "threads": {
-        "detector 1 / embedder 1 threads": lambda t: replace(t, detector_threads=1, embedder_threads=1),
-        "detector 2 / embedder 1 threads": lambda t: replace(t, detector_threads=2, embedder_threads=1),
-        "detector 2 / embedder 2 threads": lambda t: replace(t, detector_threads=2, embedder_threads=2),
+    "detector instances x threads": {
+        f"{i} detector(s) x {n} thread(s)": _model("detector", i, n) for i, n in ((1, 1), (1, 2), (2, 1))
+    },
+    "embedder instances x threads": {
+        f"{i} embedder(s) x {n} thread(s)": _model("embedder", i, n) for i, n in ((1, 1), (1, 2), (2, 1))
     },
     "pipeline instances": {
         "1 pipeline": _batching("pipeline", instances=1),
         "2 pipelines": _batching("pipeline", instances=2),
         "3 pipelines": _batching("pipeline", instances=3),
-    },
-    "detector instances": {
-        "1 detector": _batching("detector", instances=1),
-        "2 detectors": _batching("detector", instances=2),
-    },
-    "embedder instances": {
-        "1 embedder": _batching("embedder", instances=1),
-        "2 embedders": _batching("embedder", instances=2),
     },
     "batching": {
         "pipeline delay 0.5 ms": _batching("pipeline", queue_delay_us=500, preferred=(4, 8)),
@@ -131,11 +142,30 @@ def acceptable(trial: Trial, budget_ms: float) -> bool:
     return trial.errors == 0 and trial.p99_c8_ms <= budget_ms
 
 
+def applies(dimension: str, tuning: ProfileTuning) -> bool:
+    """Whether a dimension changes anything for this tuning: spinning is ONNX Runtime's only. (In the
+    in_process layout the detector / embedder instances serve re-embedding, but their thread counts are
+    the ones face_pipeline's networks use: that dimension stays.)"""
+    if dimension == "spinning":
+        return tuning.runtime == "onnxruntime"
+    return True
+
+
+Measure = Callable[[ProfileTuning, str, list[bytes], float, Path], Trial]
+
+
 def sweep(start: ProfileTuning, payloads: list[bytes], seconds: float, budget_ms: float, margin: float,
-          work: Path) -> tuple[Trial, list[Trial]]:
+          work: Path, dimensions: Sequence[str] | None = None, measure: Measure = measure
+          ) -> tuple[Trial, list[Trial]]:
+    """Coordinate descent over ``dimensions`` (default: all, in ``DIMENSIONS`` order) from ``start``."""
     best = measure(start, "current default", payloads, seconds, work)
     trials = [best]
-    for dimension, candidates in DIMENSIONS.items():
+    for dimension in dimensions or list(DIMENSIONS):
+        candidates = DIMENSIONS[dimension]
+        if not applies(dimension, best.tuning):
+            log.info("skipping %s: it does not apply to %s / %s", dimension, best.tuning.runtime,
+                     best.tuning.layout)
+            continue
         for name, mutate in candidates.items():
             candidate = mutate(best.tuning)
             if candidate == best.tuning:
@@ -164,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--margin", type=float, default=0.03, help="improvement needed to keep a change")
     parser.add_argument("--dry-run", action="store_true", help="measure and report, do not record the winner")
     parser.add_argument("--report", type=Path, help="also write the Markdown table here")
+    parser.add_argument("--dimensions", nargs="+", choices=list(DIMENSIONS), metavar="DIMENSION",
+                        help=f"sweep only these, in this order (default: all: {', '.join(DIMENSIONS)})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("service.launcher", "export"):
@@ -172,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     work = ARTIFACTS / "tune"
     work.mkdir(parents=True, exist_ok=True)
     best, trials = sweep(ProfileTuning.default(Profile.CPU), payloads, args.seconds, args.budget_ms,
-                         args.margin, work)
+                         args.margin, work, args.dimensions)
     text = report(best, trials, args.budget_ms)
     print(text)
     if args.report:

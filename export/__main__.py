@@ -101,7 +101,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, default=ROOT / "artifacts", help=work_help)
     p.add_argument("--repository", type=Path, default=ROOT / "model_repository",
                    help="parent of the per-profile repositories (default: model_repository/)")
-    p.add_argument("--profiles", nargs="+", choices=[p.value for p in Profile], default=["cpu", "gpu"])
+    p.add_argument("--profiles", nargs="+", choices=[p.value for p in Profile],
+                   default=[p.value for p in Profile])
     p.set_defaults(run=_defaults)
 
     p = sub.add_parser("repository", help="write a repository from model descriptions (bring your own ONNX)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 from export import fetch
 from export.onnx_tools import convert_sface
 from export.profiles import Profile
-from export.repository import RepositoryPlan, write_repository
+from export.repository import IncompatibleVersion, RepositoryPlan, write_repository
 from facecore.files import sha256_of
 from facecore.onnx_runtime import OnnxDetector, create_session
 from facecore.pipeline import PipelineSettings, detect
@@ -108,10 +109,16 @@ def prepare_default_models(work: Path) -> DefaultModels:
 def write_default_repositories(
     models: DefaultModels, repository_root: Path, profiles: list[Profile]
 ) -> list[Path]:
-    return [
-        write_repository(
-            RepositoryPlan(profile=profile, detector=models.detector, embedder=models.embedder),
-            repository_root / profile.value, models.detector_file, models.embedder_file,
-        )
-        for profile in profiles
-    ]
+    """The generated repositories of the default models. They are generated whole: one written by an
+    older version of this exporter with other tensors (e.g. the float detector input) is replaced."""
+    written = []
+    for profile in profiles:
+        plan = RepositoryPlan(profile=profile, detector=models.detector, embedder=models.embedder)
+        out = repository_root / profile.value
+        try:
+            written.append(write_repository(plan, out, models.detector_file, models.embedder_file))
+        except IncompatibleVersion as exc:
+            log.warning("replacing the generated %s repository (%s)", profile.value, exc)
+            shutil.rmtree(out)
+            written.append(write_repository(plan, out, models.detector_file, models.embedder_file))
+    return written

@@ -15,8 +15,20 @@ TUNING_DIR = Path(__file__).resolve().parent / "tuning"
 
 
 class Profile(StrEnum):
+    #: The tritonserver bundled in nvidia-pytriton (Python backend only): every model is a Python-backend
+    #: model; the networks run in OpenVINO (or ONNX Runtime) inside them.
     CPU = "cpu"
+    #: The NGC tritonserver image on a GPU: TensorRT engines.
     GPU = "gpu"
+    #: The NGC tritonserver image without a GPU: a network whose checked precision is bf16 runs on Triton's
+    #: native OpenVINO backend; one checked at f32 stays a Python-backend model with OpenVINO f32, because
+    #: the OpenVINO backend's keys can ask for bf16 but not forbid it (OpenVINO picks bf16 by itself on CPUs
+    #: that have it).
+    NGC_CPU = "ngc-cpu"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self is not Profile.GPU
 
 
 @dataclass(frozen=True)
@@ -78,10 +90,11 @@ class ProfileTuning:
     @staticmethod
     def default(profile: Profile) -> ProfileTuning:
         """The recorded tuning of this profile when there is one, else the built-in choice."""
-        recorded = TUNING_DIR / f"{profile.value}.json"
+        measured = Profile.CPU if profile.on_cpu else profile  # both CPU profiles share the CPU's tuning
+        recorded = TUNING_DIR / f"{measured.value}.json"
         if recorded.exists():
             return ProfileTuning.from_json(recorded.read_text())
-        return ProfileTuning.builtin(profile)
+        return ProfileTuning.builtin(measured)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

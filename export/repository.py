@@ -84,6 +84,20 @@ def _input_tensor(spec: ModelSpec, fixed: bool) -> tuple[int, list[int], list[in
     return mc.TYPE_FP32, ([3, height, width] if fixed else [3, -1, -1]), [3, height, width]
 
 
+def native_openvino(plan: RepositoryPlan, runtime: dict[str, str]) -> bool:
+    """The NGC CPU profile puts a network on the native OpenVINO backend when bf16 was checked for it."""
+    return plan.profile is Profile.NGC_CPU and runtime.get("precision") == "bf16"
+
+
+def _openvino_backend(config: mc.ModelConfig, runtime: dict[str, str]) -> dict[str, str]:
+    """The network as a native OpenVINO-backend model: the same ONNX file, one stream, latency hint."""
+    config.backend = "openvino"
+    config.default_model_filename = "model.onnx"
+    return {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1", "HINT_BF16": "YES",
+            "INFERENCE_NUM_THREADS": runtime["intra_op_threads"], "precision": runtime["precision"],
+            "precision_check": runtime.get("precision_check", "")}
+
+
 def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: Batching,
                     runtime: dict[str, str]) -> mc.ModelConfig:
     gpu = plan.profile is Profile.GPU
@@ -91,6 +105,8 @@ def _network_config(name: str, spec: ModelSpec, plan: RepositoryPlan, batching: 
     config = _base_config(name, batching, kind)
     if gpu:
         config.platform = "tensorrt_plan"
+    elif native_openvino(plan, runtime):
+        runtime = _openvino_backend(config, runtime)
     else:
         config.backend = "python"
     data_type, input_dims, warmup_dims = _input_tensor(spec, gpu or spec.role == "embedder")
@@ -138,6 +154,10 @@ def _write_config(model_dir: Path, config: mc.ModelConfig) -> None:
     (model_dir / "config.pbtxt").write_text(f"{header}{text}")
 
 
+class IncompatibleVersion(ValueError):
+    """A new version with other tensors than the versions already served beside it."""
+
+
 def _check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
     """A new version must keep the tensors of the versions already served beside it."""
     existing_file = model_dir / "config.pbtxt"
@@ -145,7 +165,7 @@ def _check_compatible(model_dir: Path, config: mc.ModelConfig) -> None:
         return
     existing = text_format.Parse(existing_file.read_text(), mc.ModelConfig())
     if list(existing.input) != list(config.input) or list(existing.output) != list(config.output):
-        raise ValueError(
+        raise IncompatibleVersion(
             f"{model_dir.name}: the new model's inputs/outputs differ from the versions already in "
             f"{model_dir}; a model with other conventions needs a new repository (--out) "
             "or a gallery re-embed"
@@ -156,7 +176,8 @@ def _runtime_parameters(plan: RepositoryPlan, role: str, precision: PrecisionChe
     """The CPU runtime of one network as config parameters (what onnx_model/model.py reads)."""
     tuning = plan.effective_tuning
     threads = tuning.detector_threads if role == "detector" else tuning.embedder_threads
-    params = {"onnx_file": "model.onnx", "runtime": tuning.runtime, "intra_op_threads": str(threads),
+    runtime = Runtime.OPENVINO.value if plan.profile is Profile.NGC_CPU else tuning.runtime
+    params = {"onnx_file": "model.onnx", "runtime": runtime, "intra_op_threads": str(threads),
               "intra_op_spinning": str(tuning.spinning).lower(), "precision": "f32"}
     if precision is not None:
         params |= {"precision": precision.precision, "precision_check": precision.summary()}
@@ -196,7 +217,8 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
         served_file = Path(staging) / "detector.onnx"
         detector = served_detector(plan.detector, detector_file, served_file)
         checks: dict[str, PrecisionCheck] = {}
-        if plan.profile is Profile.CPU and tuning.runtime == Runtime.OPENVINO:
+        if plan.profile is Profile.NGC_CPU or (plan.profile is Profile.CPU
+                                                and tuning.runtime == Runtime.OPENVINO):
             reference = (plan.detector, detector_file, plan.embedder, embedder_file)
             choice = RuntimeChoice(Runtime.OPENVINO, "f32", tuning.detector_threads)
             decode_min_side = int(tuning.pipeline_options.get("decode_min_side", "0"))
@@ -207,7 +229,7 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
             detector_max_batch=tuning.detector.max_batch_size,
             embedder_max_batch=tuning.embedder.max_batch_size,
             # TensorRT engines are built for one detector size; the CPU runtimes take any size.
-            dynamic_input=plan.profile is Profile.CPU,
+            dynamic_input=plan.profile.on_cpu,
         )
         options = {**tuning.pipeline_options, **{k: str(v) for k, v in plan.pipeline_overrides.items()}}
         settings = PipelineSettings.from_parameters({**base.to_parameters(), **options})
@@ -231,8 +253,10 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
             version_dir.mkdir(parents=True, exist_ok=True)
             if onnx_file is not None:
                 shutil.copyfile(onnx_file, version_dir / "model.onnx")
-                if plan.profile is Profile.CPU:
+                if config.backend == "python":
                     shutil.copyfile(SOURCES / "onnx_model" / "model.py", version_dir / "model.py")
+                else:
+                    (version_dir / "model.py").unlink(missing_ok=True)
             else:
                 shutil.copyfile(SOURCES / "face_pipeline" / "model.py", version_dir / "model.py")
                 for role, network in (("detector", served_file), ("embedder", embedder_file)):

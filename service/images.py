@@ -99,7 +99,7 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
             details = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
             raise ApiError("the request is not valid", code="validation_error", status=422,
                            errors=details) from exc
-        data = body.model_dump()
+        data = {k: v for k, v in body.model_dump().items() if v is not None}  # an optional image left null
         encoded = [v for f in fields if f in data
                    for v in (data[f] if isinstance(data[f], list) else [data[f]])]
         labels = [f for f in fields if f in data for _ in (data[f] if isinstance(data[f], list) else [0])]

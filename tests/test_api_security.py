@@ -35,6 +35,9 @@ PUBLIC = {
 }
 #: The web demo's page and assets (service/routers/demo.py): public, outside the schema, no data.
 DEMO = {"/", "/static/{name}"}
+#: The CompreFace- and DeepStack-compatible APIs check their clients' keys (``x-api-key`` header, the
+#: ``api_key`` form field) inside the handlers, in the clients' own error formats (docs/compat.md).
+COMPAT_PREFIXES = ("/api/v1/", "/v1/vision/")
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def two_collections(api: Api) -> Api:
 
 def test_routes_are_classified(api: Api) -> None:
     """Only health, metrics, the docs (and the demo page) are public; collection routes check it."""
-    found = endpoints(api)
+    found = [e for e in endpoints(api) if not e.path.startswith(COMPAT_PREFIXES)]
     public = {e.path for e in found if e.access == "public"}
     assert PUBLIC <= public <= PUBLIC | DEMO, public
     assert not [e for e in found if e.path.startswith("/v1") and e.access == "public"]
@@ -114,6 +117,19 @@ def test_routes_are_classified(api: Api) -> None:
         if endpoint.access != "public":
             security = paths[endpoint.path][endpoint.method.lower()].get("security")
             assert security, f"{endpoint} has no security requirement in the schema"
+
+
+def test_compat_routes_refuse_a_request_without_a_key(api: Api) -> None:
+    """The compatible APIs authenticate in their handlers: none answers 2xx to a keyless request."""
+    compat = [e for e in endpoints(api) if e.path.startswith(COMPAT_PREFIXES)]
+    assert len(compat) >= 12, compat
+    for endpoint in compat:
+        url = re.sub(r"\{(\w+)\}", "x", endpoint.path)
+        files = api.files("file", "obama.jpg") + api.files("image", "obama.jpg")
+        kwargs: dict[str, Any] = {} if endpoint.method in ("GET", "DELETE") else {"files": files}
+        response = api.request(endpoint.method, url, "", **kwargs)  # "": no key at all
+        assert 400 <= response.status_code < 500, f"{endpoint}: {response.status_code} {response.text[:300]}"
+        assert response.status_code != 422 or endpoint.path.startswith("/v1/vision/"), endpoint
 
 
 def test_every_route_needs_a_valid_key(two_collections: Api) -> None:
@@ -285,6 +301,11 @@ def test_no_route_leaks_another_collection(two_collections: Api) -> None:
         ],
         ("POST", "/v1/detect"): [("/v1/detect", image, 200)],
         ("POST", "/v1/verify"): [("/v1/verify", pair, 200)],
+        ("POST", "/v1/collections/{collection}/faces/{face_id}/search"): [
+            (f"/v1/collections/alpha/faces/{alpha_face['id']}/search",
+             {"params": {"k": 100, "threshold": -1}}, 200),
+            (f"/v1/collections/alpha/faces/{bravo_face['id']}/search", {}, 404),  # bravo's face via alpha
+        ],
     }
     reachable = {(e.method, e.path) for e in endpoints(api) if e.access in {"collection", "any"}}
     assert set(calls) == reachable, "every route a collection key reaches must be probed here"

@@ -11,6 +11,7 @@ import base64
 import json
 import math
 import struct
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,7 @@ def test_memory_flatness_and_quick_plan() -> None:
     assert flat["max_deviation_pct"] == pytest.approx(8.0) and flat["end_change_pct"] == pytest.approx(5.0)
     quick = bench_main.plan(bench_main.arguments().parse_args(["--quick"]))
     assert quick.seconds == 2 and quick.memory_minutes == 0.5 and quick.ceiling.embedder_batches == (1, 4, 16)
-    assert quick.naive_variants == ("served", "plain") and quick.naive_threads == (1,)
+    assert quick.naive_variants == ("served", "served-onnxruntime", "plain") and quick.naive_threads == (1,)
     full = bench_main.plan(bench_main.arguments().parse_args([]))
     assert full.seconds == 10 and full.memory_minutes == 10 and full.gallery_args == ("--quick",)
     assert full.ceiling.layouts == ((1, 1), (1, 2), (2, 1)) and full.pa.concurrency == (1, 2, 4, 8)
@@ -99,30 +100,66 @@ def test_the_plain_embedder_is_the_served_network(tmp_path: Path, photos: dict[s
     assert prepared.faces == 2 * 7 and prepared.max_abs_diff <= plain.TOLERANCE
     settings = prepared.models.settings
     assert not settings.dynamic_input and settings.decode_min_side == 0
-    assert prepared.models.embedder_file == target and prepared.models.detector_file == models.detector_file
+    assert prepared.models.embedder_file == target and prepared.models.detector_file == plain.PLAIN_DETECTOR
+    # plain feeds the original float NCHW detector on ONNX Runtime; it is the served (uint8) network
+    assert settings.detector.input_layout == "nchw_float"
+    assert models.settings.detector.input_layout == "nhwc_uint8"
+    assert prepared.models.runtime == "onnxruntime f32" and models.runtime.startswith("openvino")
+    assert prepared.detector_max_abs_diff <= plain.DETECTOR_TOLERANCE
     assert not plain.prepare(models, faces, target).built  # reused
-    assert "PRelu nodes" in prepared.describe()
+    assert "PRelu nodes" in prepared.describe() and "float NCHW" in prepared.describe()
+    with pytest.raises(RuntimeError, match="not the served network"):  # another detector is refused
+        plain.prepare(models, faces, target, detector_file=_other_detector(tmp_path))
 
 
-def test_the_naive_app_runs_either_variant(tmp_path: Path, photos: dict[str, Path],
-                                           cpu_repository: Path) -> None:
+def _other_detector(tmp_path: Path) -> Path:
+    """The original detector with its first convolution's weights scaled: same graph, other outputs."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(plain.PLAIN_DETECTOR))
+    first = next(node for node in model.graph.node if node.op_type == "Conv")
+    weights = next(init for init in model.graph.initializer if init.name == first.input[1])
+    weights.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weights) * 1.5, weights.name))
+    out = tmp_path / "other_detector.onnx"
+    onnx.save(model, str(out))
+    return out
+
+
+def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path],
+                                          cpu_repository: Path) -> None:
+    """served (OpenVINO at the served precisions), served-onnxruntime and plain (ONNX Runtime, the float
+    detector) find the same faces and make the same decisions. Their embeddings are not equal: reduced JPEG
+    decode and the fixed 640x640 input move the landmarks of t1.jpg's small faces by a pixel or so (cosine
+    0.9675 at worst, against 0.74-0.77 between two photos of Obama and <= 0.38 between different people), so
+    no cosine constant is asserted; what must hold is that every face is still closest to itself and that
+    every same/different decision across the photos is unchanged (as in tests/test_work_reduction.py)."""
     models = served_models(cpu_repository)
-    data = {name: photos[name].read_bytes() for name in ("obama.jpg", "t1.jpg")}
+    data = {name: photos[name].read_bytes() for name in ("obama.jpg", "obama2.jpg", "t1.jpg")}
     plain_models = plain.prepare(models, data, tmp_path / "sface.prelu.onnx").models
     log_file = tmp_path / "naive.log"
-    with naive.naive_server(models, 1, naive.SERVED, log_file) as served, \
-            naive.naive_server(plain_models, 1, naive.PLAIN, log_file) as plain_server:
-        assert served.health and plain_server.health
-        assert served.health["dynamic_input"] and served.health["embedder_prelu_nodes"] == 0
-        assert not plain_server.health["dynamic_input"] and plain_server.health["embedder_prelu_nodes"] > 0
-        agreement = naive.agreement([served, plain_server], data)
-        assert "obama.jpg: 1 face(s) served, 1 plain" in agreement
-        assert "t1.jpg: 6 face(s) served, 6 plain" in agreement
-        cosines = [float(part.rsplit(">= ", 1)[1]) for part in agreement.split("; ")]
-        assert min(cosines) >= 0.97  # the same faces, embedded alike (detections move by a few pixels)
-        row = naive.measure_once(plain_server, "obama.jpg", data["obama.jpg"], 1, 0.3)
+    with ExitStack() as stack:
+        servers = [stack.enter_context(naive.naive_server(naive.variant_models(models, plain_models, v), 1, v,
+                                                          log_file)) for v in naive.VARIANTS]
+        health = {s.variant: s.health or {} for s in servers}
+        assert health["served"]["dynamic_input"] and health["served"]["embedder_prelu_nodes"] == 0
+        assert health["served"]["detector_runtime"] == "openvino:f32"  # bf16 refused by the export's check
+        assert health["served"]["embedder_runtime"] == "openvino:bf16"
+        assert health["served"]["detector_input_layout"] == "nhwc_uint8"
+        assert health["served-onnxruntime"]["embedder_runtime"] == "onnxruntime:f32"
+        assert not health["plain"]["dynamic_input"] and health["plain"]["embedder_prelu_nodes"] > 0
+        assert health["plain"]["detector_input_layout"] == "nchw_float"
+        assert health["plain"]["detector_runtime"] == "onnxruntime:f32"
+        agreements = naive.agreement(servers, data, models.settings.embedder.match_threshold)
+        assert [a.variant for a in agreements] == ["served", "served-onnxruntime"]
+        for item in agreements:
+            assert item.faces == {"obama.jpg": (1, 1), "obama2.jpg": (1, 1), "t1.jpg": (6, 6)}, item
+            assert item.same_faces and item.lowest_iou >= 0.8, item.describe()
+            assert item.pairs == 28 and item.same_decisions == 28 and item.matches == 1, item.describe()
+            assert item.decisions_agree
+        row = naive.measure_once(servers[-1], "obama.jpg", data["obama.jpg"], 1, 0.3)
         assert row.target == "naive plain /embed, 1 intra-op thread" and row.requests > 0 and row.errors == 0
-    # the app refuses a plain variant whose embedder has no PReLU left
+    # the app refuses a plain variant whose embedder has no PReLU left, or that runs the uint8 detector
     with pytest.raises(RuntimeError, match="exited"), naive.naive_server(models, 1, naive.PLAIN, log_file):
         pass
 
@@ -133,16 +170,17 @@ def _row(target: str, throughput: float, concurrency: int = 8) -> LoadRow:
 
 
 @pytest.mark.parametrize(("plain_throughput", "status"), [(30.0, "pass"), (45.0, "falls short")])
-def test_the_1_5x_target_uses_the_plain_baseline(plain_throughput: float, status: str) -> None:
+def test_the_1_6x_target_uses_the_plain_baseline(plain_throughput: float, status: str) -> None:
     results = report.Results("python -m bench", "today", "test machine", {},
                              naive=[_row(naive.target_name(1, naive.SERVED), 50.0)],
                              naive_plain=[_row(naive.target_name(1, naive.PLAIN), plain_throughput)],
                              stack=[_row("REST identify", 60.0), _row("gRPC face_pipeline", 65.0)],
                              plain_check="checked", naive_agreement="obama.jpg: 1 face(s) served, 1 plain")
     found = {t.name: t for t in report.targets(results)}
-    overhead = found[f"REST identify throughput at concurrency 8 >= 0.95x {report.BASELINE_SERVED} (1 face)"]
+    overhead = found[f"REST identify throughput at concurrency 8 >= 0.9x {report.BASELINE_SERVED} "
+                     "(obama.jpg)"]
     assert overhead.status == "pass" and "naive served /embed" in overhead.measured
-    reduced = found[f"REST identify throughput at concurrency 8 >= 1.5x {report.BASELINE_PLAIN} (1 face)"]
+    reduced = found[f"REST identify throughput at concurrency 8 >= 1.6x {report.BASELINE_PLAIN} (obama.jpg)"]
     assert reduced.status == status and "naive plain /embed" in reduced.measured
     assert f"= {60 / plain_throughput:.2f}x" in reduced.measured
     if status == "falls short":
@@ -157,7 +195,7 @@ def test_the_1_5x_target_uses_the_plain_baseline(plain_throughput: float, status
                          50 / plain_throughput)):
         assert values[name] == pytest.approx(value), name
     document = report.document(results, {})
-    assert "### The two naive baselines" in document and "checked" in document
+    assert "### The naive baselines" in document and "checked" in document
     assert "the same decisions: obama.jpg: 1 face(s) served, 1 plain" in document
     assert "naive plain /embed, 1 intra-op thread" in document.split("### Naive baselines", 1)[1]
 
@@ -237,19 +275,23 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     text = (out / "README.md").read_text()
     body = report.section(text)
     assert "python -m bench --quick --seconds 1" in body and "Machine: " in body and "onnxruntime" in body
-    for heading in ("### Targets", "### The two naive baselines", "### Ratios", "### Ceiling",
+    for heading in ("### Targets", "### The naive baselines", "### Ratios", "### Ceiling",
                     "### Naive baselines", "### Our stack",
                     "### perf_analyzer", "### Memory", "### Gallery search scaling", "### Enrollment"):
         assert heading in body, heading
 
     targets = _table(body, "### Targets")
-    assert len(targets) == 10
-    assert {row[2] for row in targets} <= {"**pass**", "**falls short**"}, targets  # all measured
+    assert len(targets) == 22
+    # all measured but the 6-face photo's and throughput at concurrency 16: not in this run's settings
+    outside_run = [row for row in targets if "t1.jpg" in row[0] or "at concurrency 16 >=" in row[0]]
+    assert len(outside_run) == 8 and all(row[2:] == ["**not measured**", "not part of this run"]
+                                         for row in outside_run), outside_run
+    assert {row[2] for row in targets if row not in outside_run} <= {"**pass**", "**falls short**"}, targets
     assert all(row[3] != "—" for row in targets if row[2] == "**falls short**")  # a reason when short
 
-    assert any("1.5x the plain naive baseline" in name and "naive plain /embed" in measured
+    assert any("1.6x the plain naive baseline" in name and "naive plain /embed" in measured
                for name, measured, *_ in targets)
-    assert any("0.95x the naive baseline with the served settings" in name
+    assert any("0.9x the naive baseline serving what face_pipeline serves" in name
                and "naive served /embed" in measured for name, measured, *_ in targets)
 
     ratios = {row[0]: float(row[1]) for row in _table(body, "### Ratios")}
@@ -260,14 +302,22 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
                  "gRPC face_pipeline / naive plain, obama.jpg, concurrency 8",
                  "REST identify / naive plain, obama.jpg, best concurrency of each",
                  "naive served / naive plain, obama.jpg, concurrency 8 (the work reductions alone)",
-                 "REST identify p50 at concurrency 1 / ceiling single image, obama.jpg"):
+                 "REST identify p50 at concurrency 1 / ceiling single image, obama.jpg",
+                 "ceiling on the served runtime / ceiling on ONNX Runtime, obama.jpg",
+                 "REST identify / naive served on ONNX Runtime, obama.jpg, concurrency 8"):
         assert name in ratios and math.isfinite(ratios[name]) and ratios[name] > 0, (name, ratios)
     assert {r["target"] for r in results["naive"]} == {"naive served /embed, 1 intra-op thread"}
     assert {r["target"] for r in results["naive_plain"]} == {"naive plain /embed, 1 intra-op thread"}
+    assert {r["target"] for r in results["naive_onnxruntime"]} == {
+        "naive served-onnxruntime /embed, 1 intra-op thread"}
     assert "PRelu nodes" in results["plain_check"]
     assert "1 face(s) served, 1 plain" in results["naive_agreement"]
     variants = {(c["photo"], c["variant"]): c for c in results["ceiling"]}
     assert variants[("obama.jpg", "plain")]["input_size"] == [640, 640]  # measured even with --no-fixed
+    assert variants[("obama.jpg", "plain")]["runtime"] == "onnxruntime f32"
+    assert variants[("obama.jpg", "onnxruntime")]["runtime"] == "onnxruntime f32"
+    assert variants[("obama.jpg", "served")]["runtime"] == "openvino: detector f32, embedder bf16"
+    assert all(variants[("obama.jpg", v)]["images_per_s"] > 0 for v in ("served", "onnxruntime"))
     assert "plain: PReLU kept" in body
 
     stack = {(r["target"], r["concurrency"]): r for r in results["stack"]}

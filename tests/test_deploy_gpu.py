@@ -29,7 +29,7 @@ from tests.test_engine_cache import H100, L4, FakeTensorRT, trt_model
 
 DEPLOY = ROOT / "deploy"
 GPU_REPOSITORY = "/opt/facerec/model_repository/gpu"
-CPU_REPOSITORY = "/opt/facerec/model_repository/cpu"
+CPU_REPOSITORY = "/opt/facerec/model_repository/ngc-cpu"
 
 
 class _TaggedLoader(yaml.SafeLoader):  # type: ignore[misc]  # untyped without types-PyYAML
@@ -81,8 +81,8 @@ def test_the_probe_photo_is_in_the_repository_baked_into_each_image() -> None:
     and copied to where the healthchecks look."""
     gpu = [c for c in dockerfile_final(DEPLOY / "triton" / "Dockerfile", "COPY") if c[-1] == GPU_REPOSITORY]
     assert gpu == [["/out/gpu", GPU_REPOSITORY]]
-    runs = " ".join(v for run in dockerfile_final(DEPLOY / "cpu-triton" / "Dockerfile", "RUN") for v in run)
-    assert "--repository /opt/facerec/model_repository" in runs and "--profiles cpu" in runs
+    copies = dockerfile_final(DEPLOY / "cpu-triton" / "Dockerfile", "COPY")
+    assert [c for c in copies if c[-1] == CPU_REPOSITORY] == [["/out/ngc-cpu", CPU_REPOSITORY]]
 
 
 def test_the_image_chains_to_the_ngc_entrypoint() -> None:

@@ -130,19 +130,23 @@ def test_gateway_image() -> None:
 
 
 def test_cpu_triton_image() -> None:
+    """The NGC CPU variant: the NGC tritonserver image (its entrypoint kept), the `ngc-cpu` repository
+    written by the exporter at build, OpenVINO in the venv for the Python-backend networks."""
+    stages = parse_dockerfile(DOCKERFILES["cpu-triton"])
     final = final_stage(DOCKERFILES["cpu-triton"])
+    froms = [i.value[0] for i in stages if i.cmd == "FROM"]
+    assert froms[-1] == "${TRITON_IMAGE}" and not [i for i in final if i.cmd == "ENTRYPOINT"]
+    args = dict(i.value[0].split("=", 1) for i in stages if i.cmd == "ARG" and "=" in i.value[0])
+    assert args["TRITON_IMAGE"].startswith("nvcr.io/nvidia/tritonserver:")
+    assert args["TRITON_IMAGE"].endswith("-py3")
+    build = instruction_text(stages, "RUN")
+    assert "--profiles ngc-cpu" in build and "--repository /out" in build
     runs = instruction_text(final, "RUN")
-    assert 'pip install -e ".[server]"' in runs and "--profiles cpu" in runs
+    assert "openvino>=" in runs and "numpy>=1.26,<2" in runs
+    assert "test -d /opt/tritonserver/backends/openvino" in runs
     command = [v for i in final if i.cmd == "CMD" for v in i.value]
-    assert command[:3] == ["python", "-m", "service.launcher"]
-    assert command[command.index("--host") + 1] == "0.0.0.0"
-    assert command[command.index("--model-repository") + 1] == "/opt/facerec/model_repository/cpu"
-    launcher = subprocess.run([sys.executable, "-m", "service.launcher", "--help"], capture_output=True,
-                              text=True, cwd=ROOT, timeout=60)
-    assert "--host" in launcher.stdout, "the CPU image needs service.launcher --host"
-    from service import launcher as launcher_module
-
-    assert callable(launcher_module.install_stub), "deploy/cpu-triton/Dockerfile calls it at build time"
+    assert command[0] == "tritonserver"
+    assert "--model-repository=/opt/facerec/model_repository/ngc-cpu" in command
 
 
 def _requirement_names(requirements: Sequence[str]) -> dict[str, set[str]]:

@@ -1,7 +1,7 @@
 """Agreement with an independent implementation: OpenCV's FaceRecognizerSF (alignCrop + feature).
 
 OpenCV loads the SFace file exactly as shipped (int8, batch 1) and aligns with its own code; for the
-same landmarks our crop and our embedding (through Triton) must agree with it: cosine >= 0.99.
+same pixels and landmarks our crop and our embedding (through Triton) must agree with it: cosine >= 0.99.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from export.defaults import DefaultModels
+from export.served import served_networks
 from facecore.client import PipelineClient
+from facecore.processing import decode_sized
 
 pytestmark = pytest.mark.triton
 
@@ -27,17 +29,22 @@ def yunet_row(box: np.ndarray, landmarks: np.ndarray, score: float) -> np.ndarra
 
 
 def test_crops_and_embeddings_agree_with_opencv(
-    pipeline: PipelineClient, photos: dict[str, Path], default_models: DefaultModels
+    pipeline: PipelineClient, photos: dict[str, Path], default_models: DefaultModels, cpu_repository: Path
 ) -> None:
+    """OpenCV aligns the pixels the pipeline aligned: large JPEGs are decoded at reduced size there, so
+    OpenCV gets the same reduced decode, with the landmarks in its pixels."""
     shipped = default_models.embedder_file.parent / "sface_2021dec.int8bq.b1.112x112.onnx"
     recognizer = cv2.FaceRecognizerSF.create(str(shipped), "")
+    decode_min_side = served_networks(cpu_repository).settings.decode_min_side
     checked = 0
     for name in PHOTOS:
-        image = cv2.imread(str(photos[name]), cv2.IMREAD_COLOR)
-        faces = pipeline.infer(photos[name].read_bytes(), return_crops=True)
+        data = photos[name].read_bytes()
+        image, (width, _) = decode_sized(data, 10**8, decode_min_side)
+        scale = image.shape[1] / width  # 1, or 1/2, 1/4, 1/8 for a reduced decode
+        faces = pipeline.infer(data, return_crops=True)
         assert len(faces) > 0, name
         for i in range(len(faces)):
-            row = yunet_row(faces.boxes[i], faces.landmarks[i], float(faces.scores[i]))
+            row = yunet_row(faces.boxes[i] * scale, faces.landmarks[i] * scale, float(faces.scores[i]))
             crop = recognizer.alignCrop(image, row)
             assert np.abs(crop.astype(np.int16) - faces.crops[i].astype(np.int16)).mean() < 1.0, name
             reference = recognizer.feature(crop).reshape(-1)

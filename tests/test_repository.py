@@ -131,3 +131,38 @@ def test_tuning_round_trips_through_json() -> None:
     assert ProfileTuning.from_json(tuning.to_json()) == tuning
     gpu = ProfileTuning.builtin(Profile.GPU)
     assert ProfileTuning.from_json(gpu.to_json()) == gpu
+
+
+#: Triton's OpenVINO backend: the parameter keys its README documents (and its source reads).
+OPENVINO_BACKEND_KEYS = {"PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "HINT_BF16",
+                         "COMPILATION_NUM_THREADS", "CPU_EXTENSION_PATH", "SKIP_OV_DYNAMIC_BATCHSIZE",
+                         "ENABLE_BATCH_PADDING", "RESHAPE_IO_LAYERS", "TARGET_DEVICE"}
+
+
+def test_ngc_cpu_profile_puts_bf16_networks_on_the_native_openvino_backend(
+    default_models: DefaultModels, tmp_path: Path
+) -> None:
+    """The NGC image without a GPU: a network checked at bf16 on the OpenVINO backend (only documented keys,
+    HINT_BF16 YES); one checked at f32 a Python-backend model with OpenVINO f32, since the backend's keys
+    cannot forbid bf16."""
+    repository = write(Profile.NGC_CPU, default_models, tmp_path / "ngc-cpu")
+    for name in ("face_detector", "face_embedder"):
+        config = read_config(repository, name)
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+        assert (repository / name / "1" / "model.onnx").is_file()
+        if params["precision"] == "bf16":
+            assert config.backend == "openvino" and config.default_model_filename == "model.onnx"
+            assert {k for k in params if k.isupper()} <= OPENVINO_BACKEND_KEYS
+            assert params["HINT_BF16"] == "YES" and params["NUM_STREAMS"] == "1"
+            assert not (repository / name / "1" / "model.py").exists()
+        else:
+            assert config.backend == "python" and params["runtime"] == "openvino"
+            assert (repository / name / "1" / "model.py").is_file()
+    detector = read_config(repository, "face_detector")
+    assert list(detector.input[0].dims) == [-1, -1, 3]  # sized to each image, as on the bundled server
+    precisions = {n: read_config(repository, n).parameters["precision"].string_value
+                  for n in ("face_detector", "face_embedder")}
+    cpu = write(Profile.CPU, default_models, tmp_path / "cpu")
+    assert precisions == {n: read_config(cpu, n).parameters["precision"].string_value
+                          for n in ("face_detector", "face_embedder")}, "the same checked precisions"

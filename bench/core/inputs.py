@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from export.fetch import fetch_photos
-from facecore.pipeline import PipelineSettings
+from export.served import read_config, served_networks
+from facecore.pipeline import Detector, Embedder, PipelineSettings
 from facecore.processing import image_header
+from facecore.runtimes import Runtime, RuntimeChoice, detector, embedder
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ARTIFACTS = ROOT / "artifacts"
@@ -41,43 +42,74 @@ def photo_label(name: str, data: bytes) -> str:
 
 @dataclass(frozen=True)
 class ServedModels:
-    """What ``face_pipeline`` of a CPU repository runs: its settings and the two ONNX files."""
+    """What ``face_pipeline`` of a CPU repository runs: its settings, the two ONNX files and each network's
+    runtime and precision (``export.served``), so in-process runs do exactly what Triton does."""
 
     settings: PipelineSettings
     detector_file: Path
     embedder_file: Path
-    detector_threads: int
-    embedder_threads: int
+    detector_runtime: RuntimeChoice
+    embedder_runtime: RuntimeChoice
     repository: Path
-    summary: str = ""  # instances, batching and threads of the three models, for the report
+    summary: str = ""  # instances, batching, runtime and threads of the three models, for the report
 
+    @property
+    def detector_threads(self) -> int:
+        return self.detector_runtime.threads
 
-def _config(model_dir: Path) -> mc.ModelConfig:
-    return text_format.Parse((model_dir / "config.pbtxt").read_text(), mc.ModelConfig())
+    @property
+    def embedder_threads(self) -> int:
+        return self.embedder_runtime.threads
 
+    @property
+    def runtime(self) -> str:
+        """The runtimes and precisions, as the report names them (``openvino: detector f32, embedder
+        bf16``; ``onnxruntime f32``)."""
+        d, e = self.detector_runtime, self.embedder_runtime
+        if d.runtime is e.runtime is Runtime.ONNXRUNTIME:
+            return "onnxruntime f32"
+        if d.runtime is e.runtime:
+            return f"{d.runtime.value}: detector {d.precision}, embedder {e.precision}"
+        return f"detector {d.runtime.value} {d.precision}, embedder {e.runtime.value} {e.precision}"
 
-def _latest_version(model_dir: Path) -> Path:
-    versions = sorted((int(p.name), p) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
-    if not versions:
-        raise FileNotFoundError(f"{model_dir} has no version directory")
-    return versions[-1][1]
+    def on_runtime(self, runtime: Runtime) -> ServedModels:
+        """The same files and settings on ``runtime``: the served choices when it is the served runtime,
+        else f32 (ONNX Runtime always runs f32)."""
+        def choice(served: RuntimeChoice) -> RuntimeChoice:
+            return served if served.runtime is runtime else replace(served, runtime=runtime, precision="f32")
+
+        return replace(self, detector_runtime=choice(self.detector_runtime),
+                       embedder_runtime=choice(self.embedder_runtime))
+
+    def detector(self, threads: int | None = None) -> Detector:
+        """The detector on its runtime (``threads``: instead of the served thread count)."""
+        return detector(self.settings.detector, self.detector_file, self.detector_choice(threads))
+
+    def embedder(self, threads: int | None = None) -> Embedder:
+        return embedder(self.settings.embedder, self.embedder_file, self.embedder_choice(threads))
+
+    def detector_choice(self, threads: int | None = None) -> RuntimeChoice:
+        served = self.detector_runtime
+        return served if threads is None else replace(served, threads=threads)
+
+    def embedder_choice(self, threads: int | None = None) -> RuntimeChoice:
+        served = self.embedder_runtime
+        return served if threads is None else replace(served, threads=threads)
 
 
 def served_models(repository: Path = REPOSITORY) -> ServedModels:
-    """Read the settings ``face_pipeline`` serves (config.pbtxt parameters) and the ONNX files of the newest
-    versions of ``face_detector`` and ``face_embedder``, so in-process baselines run exactly the same."""
-    if not (repository / "face_pipeline" / "config.pbtxt").exists():
-        raise FileNotFoundError(f"no CPU model repository at {repository}: run `python -m export defaults`")
-    pipeline = _config(repository / "face_pipeline")
-    settings = PipelineSettings.from_parameters({k: v.string_value for k, v in pipeline.parameters.items()})
-    files, threads, lines = [], [], [_describe("face_pipeline", pipeline) + (
+    """Read what ``face_pipeline`` serves (``export.served.served_networks``: settings, the ONNX files of the
+    newest versions, runtime and precision per network) plus its batching, for the report."""
+    networks = served_networks(repository)
+    settings = networks.settings
+    lines = [_describe("face_pipeline", read_config(repository / "face_pipeline")) + (
         f", dynamic_input {settings.dynamic_input}, decode_min_side {settings.decode_min_side}")]
-    for name in (settings.detector_model, settings.embedder_model):
-        config = _config(repository / name)
-        files.append(_latest_version(repository / name) / config.parameters["onnx_file"].string_value)
-        threads.append(int(config.parameters["intra_op_threads"].string_value or "0"))
-        lines.append(_describe(name, config) + f", {threads[-1]} ONNX Runtime intra-op thread(s)")
-    return ServedModels(settings, files[0], files[1], threads[0], threads[1], repository, "; ".join(lines))
+    for name, choice in ((settings.detector_model, networks.detector_runtime),
+                         (settings.embedder_model, networks.embedder_runtime)):
+        lines.append(_describe(name, read_config(repository / name))
+                     + f", {choice.runtime.value} {choice.precision}, {choice.threads} intra-op thread(s)")
+    return ServedModels(settings, networks.detector_file, networks.embedder_file, networks.detector_runtime,
+                        networks.embedder_runtime, repository, "; ".join(lines))
 
 
 def _describe(name: str, config: mc.ModelConfig) -> str:

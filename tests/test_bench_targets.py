@@ -1,0 +1,139 @@
+"""The serving report's issue-10 targets (``bench/report_targets.py``, ``bench/report_load_targets.py``),
+the naive variants' agreement (``bench/naive_agreement.py``) and the ceiling on both runtimes
+(``bench/ceiling.py``, against the real OpenVINO and ONNX Runtime)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import ceiling, report
+from bench.ceiling import Layout, PhotoCeiling, StageSplit
+from bench.core.inputs import served_models
+from bench.core.load import LoadRow
+from bench.naive_agreement import compare, compare_all
+from bench.stack import MemoryRun
+from facecore.runtimes import Runtime
+
+
+def _ceiling(photo: str, variant: str, runtime: str, images_per_s: float, models_ms: float) -> PhotoCeiling:
+    stages = dict.fromkeys(ceiling.STAGES, 1.0) | {"detector": models_ms / 2, "embedder": models_ms / 2}
+    split = StageSplit(1, 1, sum(stages.values()), stages)
+    return PhotoCeiling(photo, photo, "dynamic", (512, 640), 1, {1: {1: 10.0}}, {1: {1: 10.0}}, [split],
+                        [Layout(2, 1, 1, 1, 1, images_per_s, 50.0)], variant, runtime)
+
+
+def _row(target: str, photo: str, concurrency: int, throughput: float, p50: float = 100.0,
+         p99: float = 200.0, gateway_ms: float = 2.0, triton_mib: float = 900.0) -> LoadRow:
+    return LoadRow(target, photo, concurrency, 100, 0, 10.0, throughput, p50, p50 * 1.5, p99, 1.0,
+                   {"gateway": gateway_ms, "triton": 50.0}, rss_mib={"gateway": 150.0, "triton": triton_mib})
+
+
+def _results(**values: object) -> report.Results:
+    return report.Results("python -m bench", "today", "test machine", {}, **values)  # type: ignore[arg-type]
+
+
+def test_the_served_runtime_is_compared_with_onnx_runtime_per_photo() -> None:
+    results = _results(ceiling=[
+        _ceiling("obama.jpg", "served", "openvino: detector f32, embedder bf16", 40.0, 30.0),
+        _ceiling("obama.jpg", "onnxruntime", "onnxruntime f32", 28.0, 50.0),
+        _ceiling("t1.jpg", "served", "openvino: detector f32, embedder bf16", 12.0, 60.0),
+        _ceiling("t1.jpg", "onnxruntime", "onnxruntime f32", 8.0, 90.0)])
+    found = {t.name: t for t in report.targets(results)}
+    one = found["in-process ceiling on the served runtime >= 1.3x the ONNX Runtime ceiling, same files and "
+                "settings (obama.jpg)"]
+    assert one.status == "pass" and "= 1.43x" in one.measured and "openvino" in one.measured
+    six = found["in-process ceiling on the served runtime >= 1.7x the ONNX Runtime ceiling, same files and "
+                "settings (t1.jpg)"]
+    assert six.status == "falls short" and "= 1.50x" in six.measured
+    assert "the two networks 60.0 vs 90.0 ms" in six.why  # where the time went, from the stage splits
+    ratios = {r.name: r.value for r in report.ratios(results)}
+    assert ratios["ceiling on the served runtime / ceiling on ONNX Runtime, t1.jpg"] == pytest.approx(1.5)
+    # REST identify is held against the ceiling of the runtime it serves, not ONNX Runtime's
+    results.stack = [_row("REST identify", "obama.jpg", 8, 30.0)]
+    share = {t.name: t for t in report.targets(results)}[
+        "REST identify throughput at concurrency 8 >= 0.8x the in-process ceiling of the same runtime "
+        "(obama.jpg)"]
+    assert share.status == "falls short" and "30.0 / 40.0 images/s = 0.75x" in share.measured
+
+
+def test_plain_and_served_naive_baselines_per_photo() -> None:
+    results = _results(naive=[_row("naive served /embed", p, 8, 10.0) for p in ("obama.jpg", "t1.jpg")],
+                       naive_plain=[_row("naive plain /embed", "obama.jpg", 8, 10.0),
+                                    _row("naive plain /embed", "t1.jpg", 8, 5.0)],
+                       stack=[_row("REST identify", "obama.jpg", 8, 15.0),
+                              _row("REST identify", "t1.jpg", 8, 9.5)])
+    found = {t.name: t.status for t in report.targets(results)}
+    prefix = "REST identify throughput at concurrency 8 >= "
+    assert found[f"{prefix}1.6x {report.BASELINE_PLAIN} (obama.jpg)"] == "falls short"  # 1.5x
+    assert found[f"{prefix}2.0x {report.BASELINE_PLAIN} (t1.jpg)"] == "falls short"  # 1.9x
+    assert found[f"{prefix}0.9x {report.BASELINE_SERVED} (obama.jpg)"] == "pass"
+    assert found[f"{prefix}0.9x {report.BASELINE_SERVED} (t1.jpg)"] == "pass"  # 0.95x
+
+
+def test_load_memory_and_gateway_targets() -> None:
+    stack = [_row("REST identify", "obama.jpg", c, t, p50=p50, p99=p99, gateway_ms=g, triton_mib=m)
+             for c, t, p50, p99, g, m in ((1, 10.0, 50.0, 60.0, 2.5, 800.0),
+                                          (4, 20.0, 200.0, 500.0, 2.6, 900.0),
+                                          (8, 20.0, 400.0, 1300.0, 3.5, 1000.0),
+                                          (16, 19.5, 800.0, 1600.0, 3.8, 1400.0))]
+    load = _row("REST identify (memory run)", "obama.jpg", 16, 19.0)
+    memory = MemoryRun(0.5, 16, 1.0, [0.0, 1.0, 2.0], {"gateway": [150.0, 151.0, 150.0],
+                                                       "triton": [1400.0, 1500.0, 1600.0]}, load,
+                       breakdown_mib={"stub face_embedder [1]": 700.0})
+    found = {t.name: t for t in report.targets(_results(stack=stack, memory=memory))}
+    held = found["REST identify throughput at concurrency 16 >= 95% of its best concurrency (obama.jpg)"]
+    assert held.status == "pass" and "19.5 / 20.0 images/s (at 4) = 98%" in held.measured
+    tail = found["REST identify p99 <= 3x p50 at concurrency 8 (obama.jpg)"]
+    assert tail.status == "falls short" and "1300 / 400 ms = 3.25x" in tail.measured
+    rss = found["Triton (server + Python-backend stubs) resident memory <= 1.5 GiB at concurrency 16"]
+    assert rss.status == "falls short" and "1600 MiB at most (memory run, 0.5 min)" in rss.measured
+    assert "stub face_embedder [1] 700 MiB" in rss.why
+    gateway = found["gateway CPU per identify at concurrency 8 <= 3 ms (obama.jpg)"]
+    assert gateway.status == "falls short" and gateway.measured.startswith("3.5 ms")
+    assert "2.5 ms per identify at concurrency 1" in gateway.why
+    flat = found["Triton (server + Python-backend stubs) resident memory flat (+-10 %) across the memory run "
+                 "(REST identify, concurrency 16, 0.5 min)"]
+    assert flat.status == "falls short"  # 1400 -> 1600 MiB is 14 %
+
+
+def _face(box: tuple[float, float, float, float], embedding: list[float]) -> dict[str, object]:
+    return {"box": list(box), "embedding": embedding}
+
+
+def test_agreement_counts_changed_decisions_and_swapped_faces() -> None:
+    a, b = (0, 0, 10, 10), (20, 0, 30, 10)
+    plain = {"x.jpg": [_face(a, [1.0, 0.0]), _face(b, [0.0, 1.0])], "y.jpg": [_face(a, [0.9, 0.1])]}
+    same = {"x.jpg": [_face(b, [0.05, 1.0]), _face(a, [1.0, 0.02])], "y.jpg": [_face(a, [0.92, 0.1])]}
+    (agreement,) = compare_all({"plain": plain, "served": same}, threshold=0.5)
+    assert agreement.decisions_agree and (agreement.pairs, agreement.matches) == (3, 1)
+    assert "3 of 3 face pairs alike (1 same-person)" in agreement.describe()
+    # a y.jpg face drifted below the threshold from x.jpg's first face: one decision changes
+    drifted = {**same, "y.jpg": [_face(a, [0.5, 0.9])]}
+    changed = compare("served", drifted, plain, threshold=0.5)
+    assert changed.same_faces and not changed.decisions_agree and changed.same_decisions == 2
+    # each box finds its face, but the embeddings are swapped: not the same faces
+    swapped = {**same, "x.jpg": [_face(a, [0.0, 1.0]), _face(b, [1.0, 0.0])]}
+    assert not compare("served", swapped, plain, threshold=0.5).same_faces
+    missing = compare("served", {**same, "y.jpg": []}, plain, threshold=0.5)
+    assert not missing.same_faces and missing.pairs == 0 and "not the same faces" in missing.describe()
+
+
+def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Path],
+                                                             cpu_repository: Path) -> None:
+    models = served_models(cpu_repository)
+    assert models.embedder_runtime.runtime is Runtime.OPENVINO and models.embedder_runtime.precision == "bf16"
+    ort = models.on_runtime(Runtime.ONNXRUNTIME)
+    assert ort.runtime == "onnxruntime f32" and ort.embedder_file == models.embedder_file
+    options = ceiling.CeilingOptions(seconds=0.3, repeats=1, split_repeats=1, detector_batches=(1,),
+                                     embedder_batches=(1, 2), threads=(1,), layouts=((1, 1),), fixed=False)
+    rows = ceiling.run(models, {"obama.jpg": photos["obama.jpg"].read_bytes()}, options)
+    by_variant = {r.variant: r for r in rows}
+    assert set(by_variant) == {"served", "onnxruntime"}
+    assert by_variant["served"].runtime == "openvino: detector f32, embedder bf16"
+    assert by_variant["onnxruntime"].runtime == "onnxruntime f32"
+    for row in rows:
+        assert row.faces == 1 and row.images_per_s > 0 and row.single_image_ms > 0
+    text = ceiling.summary_table(rows)
+    assert "| openvino: detector f32, embedder bf16 |" in text and "| onnxruntime f32 |" in text

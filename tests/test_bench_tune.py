@@ -1,0 +1,57 @@
+"""``bench.tune``'s sweep: the issue-10 dimensions (runtime, layout, instances x threads per network) and the
+budget logic, with a stand-in for the measurement (a real trial starts a tritonserver per candidate)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from bench import tune
+from export.profiles import Profile, ProfileTuning
+
+
+def _fake_measure(calls: list[str]) -> tune.Measure:
+    """Throughput rises with the in_process layout and with 2 embedder threads; ONNX Runtime is slower;
+    3 pipelines would be fastest but blows the latency budget."""
+
+    def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: float, work: Path
+                ) -> tune.Trial:
+        calls.append(name)
+        throughput = 10.0 + 5 * (tuning.layout == "in_process") + 3 * (tuning.embedder_threads == 2)
+        throughput -= 4 * (tuning.runtime == "onnxruntime")
+        p99 = 2000.0 if tuning.pipeline.instances == 3 else 500.0
+        throughput += 20 * (tuning.pipeline.instances == 3)
+        return tune.Trial(name, tuning, 50.0, p99, throughput, 0)
+
+    return measure
+
+
+def test_the_sweep_keeps_the_best_configuration_within_the_budget(tmp_path: Path) -> None:
+    start = replace(ProfileTuning.builtin(Profile.CPU), embedder_threads=1, layout="bls")
+    calls: list[str] = []
+    best, trials = tune.sweep(start, [b"jpeg"], 1.0, 1000.0, 0.03, tmp_path,
+                              ["runtime", "layout", "spinning", "embedder instances x threads",
+                               "pipeline instances"], _fake_measure(calls))
+    assert best.tuning.runtime == "openvino" and best.tuning.layout == "in_process"
+    assert best.tuning.embedder_threads == 2 and best.tuning.embedder.instances == 1
+    assert best.tuning.pipeline.instances != 3  # faster, but p99 over the budget
+    assert best.throughput_c8 == 18.0
+    assert "runtime: ONNX Runtime f32" in calls and not any(c.startswith("spinning") for c in calls)
+    assert "pipeline instances: 3 pipelines" in calls  # measured, then refused
+    assert len(trials) == len(calls)
+    text = tune.report(best, trials, 1000.0)
+    assert f"Chosen: **{best.name}**" in text
+    assert "| runtime: ONNX Runtime f32 | 50.0 | 500.0 | 6.00 | 0 |" in text
+
+
+def test_every_dimension_changes_the_tuning_it_names() -> None:
+    start = ProfileTuning.builtin(Profile.CPU)
+    assert {"runtime", "layout", "detector instances x threads", "embedder instances x threads"} <= set(
+        tune.DIMENSIONS)
+    changed = tune.DIMENSIONS["embedder instances x threads"]["2 embedder(s) x 1 thread(s)"](start)
+    assert (changed.embedder.instances, changed.embedder_threads) == (2, 1)
+    assert changed.detector == start.detector
+    in_process = tune.DIMENSIONS["layout"]["in_process: both networks inside face_pipeline"](start)
+    assert in_process.layout == "in_process"
+    assert tune.applies("spinning", replace(start, runtime="onnxruntime"))
+    assert not tune.applies("spinning", replace(start, runtime="openvino"))
