@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import URL
 
-from facecore.limits import DEFAULT_LIMITS
+from facecore.limits import DEFAULT_LIMITS, Limits
 from facecore.quality import QualityThresholds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +77,9 @@ class LimitSettings(BaseModel):
     max_in_flight: int = Field(_LIMITS.max_in_flight, gt=0,
                                description="recognition requests in the gateway at once; beyond, "
                                            "503 overloaded")
+
+    def values(self) -> Limits:
+        return Limits(**self.model_dump())
 
 
 class QualitySettings(BaseModel):

@@ -92,7 +92,7 @@ async def _import_local(args: argparse.Namespace, items: list[Any], quality: Any
                 raise
             store.create_collection(args.collection, spec.name, spec.embedding_dim, spec.match_threshold)
         options = ImportOptions(args.collection, spec.name, args.concurrency, args.dry_run,
-                                args.largest_face, quality)
+                                args.largest_face, quality, args.settings.limits.values())
         return await Importer(store, client, options).run(items, show_progress=not args.quiet)
     finally:
         await client.close()
@@ -103,7 +103,8 @@ async def _import_rest(args: argparse.Namespace, items: list[Any], quality: Any)
     from recognition.importer import Importer, ImportOptions
     from recognition.rest_import import ApiFailure, RestBackend
 
-    options = ImportOptions(args.collection, "", args.concurrency, args.dry_run, args.largest_face, quality)
+    options = ImportOptions(args.collection, "", args.concurrency, args.dry_run, args.largest_face, quality,
+                            args.settings.limits.values())
     backend = RestBackend(args.api, args.key, options, args.settings.limits.request_timeout_s * 2)
     try:
         info = await backend.ensure_collection(args.create_collection)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from facecore.client import AsyncPipeline, PipelineError
 from facecore.contract import Faces
+from facecore.limits import DEFAULT_LIMITS, Limits
 from facecore.quality import QualityThresholds
 from gallery.store import GalleryStore, NewFace
 from recognition.enrollment import EnrollmentRules, FaceChoice, enrollable_face, image_sha256
@@ -74,6 +75,8 @@ class ImportOptions:
     dry_run: bool = False
     largest_face: bool = False  # with several faces, enroll the largest instead of refusing
     quality: QualityThresholds = field(default_factory=QualityThresholds)
+    #: The limits (``facecore.limits``; ``python -m gallery`` passes the settings' values).
+    limits: Limits = DEFAULT_LIMITS
 
     @property
     def rules(self) -> EnrollmentRules:
@@ -157,7 +160,7 @@ class LocalBackend:
 
     async def analyze(self, data: bytes) -> Faces:
         try:
-            return await self.client.infer(data, return_crops=True)
+            return await self.client.infer(data, max_faces=self.options.limits.max_faces, return_crops=True)
         except PipelineError as exc:
             if exc.invalid_input:
                 raise Unreadable(str(exc)) from exc

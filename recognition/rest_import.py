@@ -60,9 +60,8 @@ def faces_from_detect(body: dict[str, Any]) -> Faces:
 
 
 class RestBackend:
-    def __init__(self, base_url: str, key: str, options: ImportOptions, timeout_s: float = 60.0,
-                 batch: int = 16) -> None:
-        self.options, self.batch = options, batch
+    def __init__(self, base_url: str, key: str, options: ImportOptions, timeout_s: float = 60.0) -> None:
+        self.options, self.batch = options, options.limits.max_batch_images
         self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers={"X-API-Key": key},
                                         timeout=timeout_s)
         self.path = f"/v1/collections/{quote(options.collection, safe='')}"

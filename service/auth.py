@@ -39,6 +39,13 @@ class KeyStore:
         self.records = KeyRecords(db)
         self._admin_hash = _hash(admin_key)
 
+    def is_admin(self, presented: str) -> bool:
+        """The admin key needs no database: callers check it first, on the event loop."""
+        return hmac.compare_digest(_hash(presented), self._admin_hash)
+
+    def needs_lookup(self, presented: str) -> bool:
+        return presented.startswith(KEY_PREFIX)
+
     def authenticate(self, presented: str) -> Principal | None:
         """The principal behind a presented key, or None when it is unknown or revoked."""
         digest = _hash(presented)

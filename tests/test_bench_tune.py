@@ -55,3 +55,19 @@ def test_every_dimension_changes_the_tuning_it_names() -> None:
     assert in_process.layout == "in_process"
     assert tune.applies("spinning", replace(start, runtime="onnxruntime"))
     assert not tune.applies("spinning", replace(start, runtime="openvino"))
+
+
+def test_a_candidate_over_the_memory_budget_is_not_kept(tmp_path: Path) -> None:
+    """Two embedder instances are faster here but take Triton's tree over the memory budget: refused."""
+
+    def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: float, work: Path
+                ) -> tune.Trial:
+        two = tuning.embedder.instances == 2
+        return tune.Trial(name, tuning, 50.0, 500.0, 20.0 if two else 10.0, 0, 1900.0 if two else 1100.0)
+
+    start = replace(ProfileTuning.builtin(Profile.CPU), embedder=replace(
+        ProfileTuning.builtin(Profile.CPU).embedder, instances=1), embedder_threads=1)
+    best, trials = tune.sweep(start, [b"jpeg"], 1.0, 1000.0, 0.03, tmp_path, ["embedder instances x threads"],
+                              measure)
+    assert best.tuning.embedder.instances == 1 and best.rss_mib == 1100.0
+    assert any(t.tuning.embedder.instances == 2 and t.rss_mib > tune.MEMORY_BUDGET_MIB for t in trials)
