@@ -99,7 +99,6 @@ class EngineChecker:
         reference = self.reference(onnx, embedder_onnx)
         plan_detector = _detector(self.plan_runner(plan, self.settings.detector.output_names))
         got = self._run(plan_detector, _embedder(self._onnx(embedder_onnx, self.settings.embedder)))
-        got = [matched(r, g) for r, g in zip(reference, got, strict=True)]
         found = compare_pipelines(reference, got, self.settings.embedder.match_threshold, "detector",
                                   RuntimeChoice())
         reasons = [text for failed, text in (
@@ -122,26 +121,6 @@ class EngineChecker:
         passed = len(cosines) > 0 and worst >= EMBEDDER_COSINE
         reason = "" if passed else (f"cosine {worst:.5f} < {EMBEDDER_COSINE}" if len(cosines) else "no faces")
         return PrecisionCheck("embedder", "tensorrt", precision, passed, len(cosines), worst, reason=reason)
-
-
-def matched(reference: Faces, candidate: Faces) -> Faces:
-    """``candidate``'s faces in the order of the reference faces they overlap most.
-
-    Faces come best score first, and reduced precision turns near-equal scores (0.9996 and 0.9998) into
-    ties, so the same faces can come in another order; ``compare_pipelines`` compares them by rank."""
-    if len(reference) != len(candidate) or len(reference) < 2:
-        return candidate
-    a, b = reference.boxes[:, None, :], candidate.boxes[None, :, :]
-    inter = (np.clip(np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]), 0, None)
-             * np.clip(np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]), 0, None))
-    union = reference.areas()[:, None] + candidate.areas()[None, :] - inter
-    order = np.argmax(inter / np.maximum(union, 1e-9), axis=1)
-    if len(set(order.tolist())) != len(order):  # not one-to-one: leave it to the comparison to refuse
-        return candidate
-    return replace(candidate, boxes=candidate.boxes[order], scores=candidate.scores[order],
-                   landmarks=candidate.landmarks[order], embeddings=candidate.embeddings[order],
-                   blur=candidate.blur[order], crops=candidate.crops[order] if len(candidate.crops) else
-                   candidate.crops)
 
 
 def _chunks(batch: np.ndarray, size: int = 16) -> list[np.ndarray]:  # type: ignore[type-arg]
