@@ -74,11 +74,15 @@ def _torch_iresnet(args: argparse.Namespace) -> None:
 
 
 def _tensorrt(args: argparse.Namespace) -> None:
-    from export.tensorrt_build import EngineProfile, build_engine, build_repository_engines
+    from export.engine_cache import build_repository_engines
+    from export.tensorrt_build import EngineProfile, build_engine
 
     if args.repository is not None:
-        for path in build_repository_engines(args.repository, fp16=not args.fp32):
-            print(path)
+        outcome = build_repository_engines(
+            args.repository, "fp32" if args.fp32 else "fp16", gpus=args.gpu_name or (),
+            tensorrt=args.tensorrt_version or "", cache=args.engine_cache, photos=args.check_photos)
+        for slot, what in outcome.items():
+            print(f"{slot}\t{what}")
         return
     if args.onnx is None or args.out is None:
         raise SystemExit("give --repository, or --onnx and --out")
@@ -146,7 +150,14 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tensorrt", help="ONNX -> TensorRT engine (needs TensorRT: NGC image or a GPU host)")
     p.add_argument("--repository", type=Path,
-                   help="build model.plan for every model.onnx of a gpu repository")
+                   help="make model.plan current for every version of a gpu repository: keyed by ONNX "
+                        "sha256, profile, precision, TensorRT and GPU; new plans are checked against ONNX")
+    p.add_argument("--engine-cache", type=Path, help="with --repository: store and restore plans here")
+    p.add_argument("--gpu-name", action="append", help="with --repository: the GPU(s) the plans are for "
+                   "(default: what nvidia-smi lists)")
+    p.add_argument("--tensorrt-version", help="with --repository: for the key (default: the bindings')")
+    p.add_argument("--check-photos", type=Path, help="with --repository: test photos the new plans are "
+                   "checked on (`python -m export photos`; default artifacts/photos)")
     p.add_argument("--onnx", type=Path)
     p.add_argument("--out", type=Path)
     p.add_argument("--min-batch", type=int, default=1)

@@ -76,11 +76,15 @@ class ProfileTuning:
                 # JPEGs at least twice the detector input are decoded at 1/2, 1/4 or 1/8 scale.
                 pipeline_options={"decode_min_side": "640"},
             )
-        # GPU: larger batches amortize kernel launches; two BLS instances keep the GPU fed.
+        # GPU: larger batches amortize kernel launches. face_pipeline's Python work (decode, letterbox,
+        # NMS, alignment) bounds this profile: the image's entrypoint sets its instance count from the
+        # host's CPUs at start (deploy/triton/entrypoint.py; 2 is what a repository says elsewhere), and
+        # big JPEGs are decoded at reduced size, as in the CPU profile (docs/gpu-plan.md).
         return ProfileTuning(
             detector=Batching(16, (8, 16), 500),
             embedder=Batching(128, (32, 64, 128), 500),
             pipeline=Batching(16, (8, 16), 1000, instances=2),
+            pipeline_options={"decode_min_side": "640"},
         )
 
     @staticmethod

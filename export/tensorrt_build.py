@@ -36,8 +36,8 @@ class TensorRTUnavailable(RuntimeError):
 class EngineProfile:
     """Batch range of the engine's one optimization profile, and the per-item input shape.
 
-    ``shape`` is (C, H, W) for every item; None takes it from the ONNX input, whose dimensions
-    other than batch must then be fixed.
+    ``shape`` is the per-item shape, three sizes (C, H, W; H, W, 3 for the uint8 NHWC detector); None
+    takes it from the ONNX input, whose dimensions other than batch must then be fixed.
     """
 
     min_batch: int
@@ -52,7 +52,7 @@ class EngineProfile:
         if not 1 <= self.min_batch <= self.opt_batch <= self.max_batch:
             raise ValueError(f"need 1 <= min_batch <= opt_batch <= max_batch, got {batches}")
         if self.shape is not None and (len(self.shape) != 3 or any(not _positive(d) for d in self.shape)):
-            raise ValueError(f"shape must be three positive sizes (C, H, W), got {self.shape}")
+            raise ValueError(f"shape must be three positive sizes, got {self.shape}")
 
 
 def _positive(value: object) -> bool:
@@ -69,7 +69,7 @@ def item_shape(onnx_dims: Sequence[int], profile: EngineProfile) -> tuple[int, .
         raise ValueError(f"the ONNX input's batch axis is fixed at {batch}; export a dynamic batch axis")
     if profile.shape is None:
         if any(d < 1 for d in item):
-            raise ValueError(f"the ONNX input has dynamic item dims {item}; give the shape (C, H, W)")
+            raise ValueError(f"the ONNX input has dynamic item dims {item}; give the item shape")
         return item
     shape = tuple(int(d) for d in profile.shape)
     if len(shape) != len(item) or any(d != s for d, s in zip(item, shape, strict=True) if d >= 1):
@@ -169,18 +169,13 @@ def build_engine(onnx_path: Path, out_path: Path, profile: EngineProfile, fp16: 
     return out_path
 
 
-def _read_config(path: Path) -> mc.ModelConfig:
+def read_config(path: Path) -> mc.ModelConfig:
     config = mc.ModelConfig()
     text_format.Parse(path.read_text(encoding="utf-8"), config)
     return config
 
 
-def _latest_onnx(model_dir: Path) -> Path | None:
-    versions = [d for d in model_dir.iterdir() if d.name.isdigit() and (d / "model.onnx").is_file()]
-    return max(versions, key=lambda d: int(d.name)) / "model.onnx" if versions else None
-
-
-def _repository_profile(name: str, config: mc.ModelConfig) -> tuple[str, EngineProfile]:
+def repository_profile(name: str, config: mc.ModelConfig) -> tuple[str, EngineProfile]:
     """Input name and profile from a model config: batch 1 .. max_batch_size, dims from the input."""
     max_batch = int(config.max_batch_size)
     inputs = list(config.input)
@@ -190,34 +185,11 @@ def _repository_profile(name: str, config: mc.ModelConfig) -> tuple[str, EngineP
         raise ValueError(f"{name}: expected one input in config.pbtxt, found {len(inputs)}")
     dims = tuple(int(d) for d in inputs[0].dims)
     if len(dims) != 3 or any(d < 1 for d in dims):
-        raise ValueError(f"{name}: input dims must be three fixed sizes (C, H, W), got {dims}")
+        raise ValueError(f"{name}: input dims must be three fixed sizes, got {dims}")
     shape = (dims[0], dims[1], dims[2])
     return str(inputs[0].name), EngineProfile(1, max(1, max_batch // 2), max_batch, shape)
 
 
-def build_repository_engines(repository: Path, fp16: bool = True) -> list[Path]:
-    """Build ``model.plan`` beside the latest ``model.onnx`` of every ``tensorrt_plan`` model.
-
-    An engine newer than its ONNX file is kept. Returns the engines built or kept.
-    """
-    repository = Path(repository)
-    if not repository.is_dir():
-        raise FileNotFoundError(f"model repository {repository} not found")
-    plans: list[Path] = []
-    for config_path in sorted(repository.glob("*/config.pbtxt")):
-        config = _read_config(config_path)
-        if config.platform != "tensorrt_plan" and config.backend != "tensorrt":
-            continue
-        name = config_path.parent.name
-        onnx_path = _latest_onnx(config_path.parent)
-        if onnx_path is None:
-            log.warning("%s: no version directory with model.onnx; skipped", name)
-            continue
-        plan = onnx_path.with_name(config.default_model_filename or "model.plan")
-        if plan.is_file() and plan.stat().st_mtime > onnx_path.stat().st_mtime:
-            log.info("%s is newer than %s; kept", plan, onnx_path.name)
-        else:
-            input_name, profile = _repository_profile(name, config)
-            build_engine(onnx_path, plan, profile, fp16=fp16, input_name=input_name)
-        plans.append(plan)
-    return plans
+def tensorrt_version() -> str:
+    """The version of the TensorRT that builds here (its Python bindings)."""
+    return str(_tensorrt().__version__)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -164,13 +165,13 @@ class Faces:
     def from_arrays(cls, get: Callable[[str], NDArray[np.generic]]) -> Faces:
         """Inverse of ``to_arrays``: ``get(name)`` returns one output without the batch axis."""
         width, height = (int(v) for v in get(Output.IMAGE_SIZE.value))
+        def array(name: Output, dtype: type[np.generic]) -> NDArray[Any]:
+            return np.asarray(get(name.value), dtype=dtype)  # no copy when the type already matches
+
         return cls(
-            boxes=get(Output.BOXES.value).astype(np.float32),
-            scores=get(Output.SCORES.value).astype(np.float32),
-            landmarks=get(Output.LANDMARKS.value).astype(np.float32),
-            embeddings=get(Output.EMBEDDINGS.value).astype(np.float32),
-            blur=get(Output.BLUR.value).astype(np.float32),
-            crops=get(Output.CROPS.value).astype(np.uint8),
+            boxes=array(Output.BOXES, np.float32), scores=array(Output.SCORES, np.float32),
+            landmarks=array(Output.LANDMARKS, np.float32), embeddings=array(Output.EMBEDDINGS, np.float32),
+            blur=array(Output.BLUR, np.float32), crops=array(Output.CROPS, np.uint8),
             width=width, height=height,
         )
 

@@ -2,7 +2,8 @@
 
 Without ``FACEREC_SECURITY__ADMIN_KEY`` an admin key is generated once into ``data/admin_key``
 (mode 0600) and printed. With ``--triton-url`` an already running Triton (e.g. the NGC container) is
-used instead of starting the bundled one.
+used instead of starting the bundled one; the bundled one is restarted when it dies (with backoff; see
+service/supervisor.py), and ``/health/ready`` says so while it is down.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import uvicorn
 from facecore.settings import ROOT, GatewaySettings, load_settings
 from service.launcher import TritonPorts, TritonServer, TritonStartError
 from service.logs import configure_logging
+from service.supervisor import Supervisor
 
 log = logging.getLogger("service")
 
@@ -62,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with ExitStack() as stack:
+        supervisor = None
         if args.triton_url is None:
             server = TritonServer(args.model_repository, TritonPorts(*args.triton_ports),
                                   log_file=ROOT / "data" / "tritonserver.log")
+            supervisor = Supervisor(server)  # restarts a tritonserver that dies (service/supervisor.py)
             try:
-                stack.enter_context(server)
+                stack.enter_context(supervisor)
             except TritonStartError as exc:
                 log.error("%s (log: data/tritonserver.log)", exc)
                 return 1
@@ -80,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n  API docs:  {base}/docs\n  admin key: in {where}"
               f"\n  example:   curl -H \"X-API-Key: $(cat {args.admin_key_file})\" {base}/v1/collections\n",
               flush=True)
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_config=None, access_log=False)
+        app = create_app(settings)
+        if supervisor is not None:
+            app.state.triton_status = supervisor.status  # /health/ready says when Triton is restarting
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     return 0
 
 

@@ -11,6 +11,7 @@ uses a per-run shared-memory prefix so that stopping it removes exactly its own 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -114,6 +115,22 @@ def server_environment() -> dict[str, str]:
     return env
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes (zombies excluded) of process group ``pgid``, from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, _ppid, group = stat[stat.rindex(")") + 2:].split()[:3]
+        if int(group) == pgid and state not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
 @dataclass
 class TritonServer:
     """A tritonserver child process. Use as a context manager, or ``start()`` / ``stop()``."""
@@ -128,6 +145,7 @@ class TritonServer:
     host: str = "127.0.0.1"
     shm_prefix: str = field(default_factory=lambda: f"facerec_{uuid.uuid4().hex[:8]}_")
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _pgid: int = field(default=0, init=False, repr=False)
 
     @property
     def http_url(self) -> str:
@@ -171,6 +189,7 @@ class TritonServer:
             self.command(), env=server_environment(), stdout=output,
             stderr=subprocess.STDOUT if output else None, start_new_session=True,
         )
+        self._pgid = self._process.pid  # its own session: the stubs it starts are in this group
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -209,12 +228,38 @@ class TritonServer:
         raise TritonStartError(f"models not ready after {timeout:.0f} s: {json.dumps(self.models_ready())}")
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM, wait, SIGKILL if needed; then remove this run's /dev/shm regions."""
+        """SIGTERM, wait, SIGKILL if needed; then what is left of this run (``reap``)."""
         process, self._process = self._process, None
         code = stop_process(process, timeout) if process is not None else None
+        self.reap()
+        return code
+
+    def reap(self, timeout: float = 10.0) -> list[int]:
+        """After the server exited: SIGKILL the processes left in its process group (its backend stubs,
+        which otherwise linger until they notice), wait until they are gone, and remove this run's
+        /dev/shm regions. Only this run's: its own process group and its own shm prefix. Returns the
+        pids that were still there."""
+        left = group_members(self._pgid) if self._pgid else []
+        if left:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._pgid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+            while group_members(self._pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if group_members(self._pgid):
+                log.warning("processes of the dead tritonserver remain: %s", group_members(self._pgid))
         for leftover in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             leftover.unlink(missing_ok=True)
-        return code
+        return left
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code once the server has exited, or None while it still runs after ``timeout``."""
+        if self._process is None:
+            return None
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     @property
     def running(self) -> bool:

@@ -6,14 +6,26 @@ Static and offline, like tests/test_deploy.py: nothing here builds an image or n
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import dockerfile
+import pytest
 import yaml
 
+from export import __main__ as cli
+from export import engine_cache, engine_check
+from export.engine_cache import engine_slots
 from facecore.probe import PROBE_FILE
 from tests.conftest import ROOT
+from tests.deploy_helpers import load_module
+from tests.test_engine_cache import H100, L4, FakeTensorRT, trt_model
 
 DEPLOY = ROOT / "deploy"
 GPU_REPOSITORY = "/opt/facerec/model_repository/gpu"
@@ -71,3 +83,219 @@ def test_the_probe_photo_is_in_the_repository_baked_into_each_image() -> None:
     assert gpu == [["/out/gpu", GPU_REPOSITORY]]
     copies = dockerfile_final(DEPLOY / "cpu-triton" / "Dockerfile", "COPY")
     assert [c for c in copies if c[-1] == CPU_REPOSITORY] == [["/out/ngc-cpu", CPU_REPOSITORY]]
+
+
+def test_the_image_chains_to_the_ngc_entrypoint() -> None:
+    """NGC's entrypoint sets up CUDA forward compatibility (older data-centre drivers) before ours runs."""
+    (entrypoint,) = dockerfile_final(DEPLOY / "triton" / "Dockerfile", "ENTRYPOINT")
+    assert entrypoint == ["/opt/nvidia/nvidia_entrypoint.sh", "python3", "/opt/facerec/entrypoint.py"]
+    copies = dockerfile_final(DEPLOY / "triton" / "Dockerfile", "COPY")
+    assert ["/out/check-photos", "/opt/facerec/check-photos"] in copies, "the photos new plans are checked on"
+
+
+# --- the Triton entrypoint, run here with TensorRT faked -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def triton_entry() -> ModuleType:
+    return load_module(DEPLOY / "triton" / "entrypoint.py", "facerec_triton_entrypoint")
+
+
+PIPELINE_CONFIG = """name: "face_pipeline"
+backend: "python"
+max_batch_size: 16
+instance_group {
+  count: 2
+  kind: KIND_CPU
+}
+"""
+
+
+def image_repository(root: Path, versions: tuple[int, ...] = (1,), detector_batch: int = 16) -> Path:
+    repo = root / "image" / "gpu"
+    trt_model(repo, "face_detector", "detector", versions, max_batch=detector_batch)
+    trt_model(repo, "face_embedder", "embedder", versions)
+    (repo / "face_pipeline" / "1").mkdir(parents=True, exist_ok=True)
+    (repo / "face_pipeline" / "config.pbtxt").write_text(PIPELINE_CONFIG)
+    (repo / "face_pipeline" / "1" / "model.py").write_text("# model\n")
+    return repo
+
+
+class Exporter:
+    """The entrypoint's ``python -m export tensorrt ...``, run in this process with TensorRT faked
+    (tests/test_engine_cache.py's FakeTensorRT: a plan says which ONNX, max batch and precision it is of)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.trt, self.commands = FakeTensorRT(), list[list[str]]()
+        monkeypatch.setattr(engine_cache, "_build_with_tensorrt", self.trt.build)
+        monkeypatch.setattr(engine_check, "plan_check", lambda *_args: self.trt.check)
+
+    def __call__(self, command: Sequence[str]) -> None:
+        assert list(command[1:4]) == ["-m", "export", "tensorrt"]
+        self.commands.append(list(command))
+        self.trt.built.clear()
+        code = cli.main(list(command[3:]))
+        if code:
+            raise subprocess.CalledProcessError(code, list(command))
+
+
+@pytest.fixture
+def exporter(monkeypatch: pytest.MonkeyPatch) -> Exporter:
+    return Exporter(monkeypatch)
+
+
+def start(entry: ModuleType, tmp: Path, exporter: Exporter, gpu: str = H100,
+          **extra: str) -> list[list[str]]:
+    env = {"FACEREC_IMAGE_REPOSITORY": str(tmp / "image" / "gpu"),
+           "FACEREC_MODEL_REPOSITORY": str(tmp / "models" / "gpu"),
+           "FACEREC_ENGINE_CACHE": str(tmp / "engines"), "FACEREC_CHECK_PHOTOS": str(tmp / "photos"),
+           "FACEREC_GPU_NAME": gpu,
+           "FACEREC_TRT_VERSION": "10.5.0.18-1+cuda12.6", "FACEREC_PIPELINE_INSTANCES": "config", **extra}
+    executed: list[list[str]] = []
+    assert entry.main(["--log-verbose=1"], env, exporter, executed.append) == 0
+    return executed
+
+
+def built(exporter: Exporter) -> list[str]:
+    return sorted(name for name, _ in exporter.trt.built)
+
+
+def test_entrypoint_engines_per_key_and_version(triton_entry: ModuleType, tmp_path: Path,
+                                                exporter: Exporter) -> None:
+    image = image_repository(tmp_path, versions=(1, 2))
+    served = tmp_path / "models" / "gpu"
+    executed = start(triton_entry, tmp_path, exporter)
+    assert built(exporter) == ["face_detector/1", "face_detector/2", "face_embedder/1", "face_embedder/2"]
+    assert executed == [["tritonserver", f"--model-repository={served}", "--model-control-mode=none",
+                         "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--log-verbose=1"]]
+    command = exporter.commands[0]
+    assert command[command.index("--gpu-name") + 1] == H100
+    assert command[command.index("--tensorrt-version") + 1] == "10.5.0.18-1+cuda12.6"
+    assert command[command.index("--check-photos") + 1] == str(tmp_path / "photos")
+
+    start(triton_entry, tmp_path, exporter)
+    assert built(exporter) == [], "same key: the plans are kept"
+    shutil.rmtree(served)
+    start(triton_entry, tmp_path, exporter)
+    assert built(exporter) == [], "a new models volume: restored from the engine cache"
+    assert (served / "face_embedder" / "2" / "model.plan").read_text() == "face_embedder v2 16 fp16"
+
+    start(triton_entry, tmp_path, exporter, FACEREC_ENGINE_FP32="1")
+    assert len(built(exporter)) == 4, "FACEREC_ENGINE_FP32=1 after the first start is not ignored"
+    assert (served / "face_embedder" / "1" / "model.plan").read_text().endswith("fp32")
+    start(triton_entry, tmp_path, exporter, gpu=L4)
+    assert len(built(exporter)) == 4, "another GPU: rebuilt"
+
+    image_repository(tmp_path, versions=(1, 2), detector_batch=64)  # a new image after a re-tune
+    start(triton_entry, tmp_path, exporter)
+    assert built(exporter) == ["face_detector/1", "face_detector/2"], "a raised max_batch_size: rebuilt"
+    assert (served / "face_detector" / "1" / "model.plan").read_text() == "face_detector v1 64 fp16"
+    (image / "face_embedder" / "2" / "model.onnx").write_bytes(b"a new embedder")
+    start(triton_entry, tmp_path, exporter)
+    assert built(exporter) == ["face_embedder/2"], "a new ONNX: that version only"
+
+
+def test_entrypoint_rollback_to_version_1(triton_entry: ModuleType, tmp_path: Path,
+                                          exporter: Exporter) -> None:
+    image_repository(tmp_path, versions=(1, 2))
+    start(triton_entry, tmp_path, exporter)
+    served = tmp_path / "models" / "gpu"
+    assert cli.main(["pin", "--repository", str(served), "--model", "face_detector", "--version", "1"]) == 0
+    start(triton_entry, tmp_path, exporter)
+    assert built(exporter) == []
+    version_1 = served / "face_detector" / "1"
+    assert (version_1 / "model.plan").read_text() == "face_detector v1 16 fp16"
+    key = json.loads((version_1 / "model.plan.json").read_text())["key"]
+    assert key["onnx_sha256"] == hashlib.sha256(b"face_detector v1").hexdigest()
+
+
+def test_entrypoint_keeps_an_operators_repository(triton_entry: ModuleType, tmp_path: Path,
+                                                  exporter: Exporter) -> None:
+    image_repository(tmp_path)
+    own = tmp_path / "models" / "gpu"
+    trt_model(own, "face_embedder", "embedder", versions=(3,))
+    start(triton_entry, tmp_path, exporter, gpu="NVIDIA A100-SXM4-40GB")
+    assert built(exporter) == ["face_embedder/3"] and not (own / "face_detector").exists()
+
+
+def test_entrypoint_without_gpu(triton_entry: ModuleType, tmp_path: Path, exporter: Exporter,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    image_repository(tmp_path)
+
+    def absent() -> list[str]:
+        raise OSError("no driver")
+
+    monkeypatch.setattr(triton_entry, "_nvidia_smi_names", absent)
+    monkeypatch.setattr(triton_entry, "_libcuda_names", absent)
+    env = {"FACEREC_IMAGE_REPOSITORY": str(tmp_path / "image" / "gpu"),
+           "FACEREC_MODEL_REPOSITORY": str(tmp_path / "models" / "gpu"),
+           "FACEREC_ENGINE_CACHE": str(tmp_path / "e"), "FACEREC_TRT_VERSION": "10.5"}
+    executed: list[list[str]] = []
+    assert triton_entry.main([], env, exporter, executed.append) == 1
+    assert executed == [] and exporter.commands == []
+
+
+def test_entrypoint_fails_when_a_plan_is_refused(triton_entry: ModuleType, tmp_path: Path,
+                                                 exporter: Exporter) -> None:
+    image_repository(tmp_path)
+    exporter.trt.refuse = ("fp16", "fp32")
+    env = {"FACEREC_IMAGE_REPOSITORY": str(tmp_path / "image" / "gpu"),
+           "FACEREC_MODEL_REPOSITORY": str(tmp_path / "models" / "gpu"),
+           "FACEREC_ENGINE_CACHE": str(tmp_path / "e"), "FACEREC_GPU_NAME": H100,
+           "FACEREC_TRT_VERSION": "10.5"}
+    executed: list[list[str]] = []
+    assert triton_entry.main([], env, exporter, executed.append) == 1
+    assert executed == [], "no server on plans that differ from their ONNX models"
+    assert not list((tmp_path / "models" / "gpu").glob("*/*/model.plan"))
+
+
+def test_entrypoint_reads_the_exporters_configs() -> None:
+    repository = ROOT / "model_repository" / "gpu"
+    if not (repository / "face_detector" / "config.pbtxt").is_file():
+        pytest.skip("model_repository/gpu is not generated here (python -m export defaults)")
+    slots = {slot.model: slot for slot in engine_slots(repository)}
+    assert set(slots) == {"face_detector", "face_embedder"}
+    assert slots["face_detector"].role == "detector" and slots["face_embedder"].role == "embedder"
+    assert slots["face_detector"].profile.shape == (640, 640, 3), "the uint8 NHWC detector input"
+    assert all(slot.plan.name == "model.plan" and slot.onnx.is_file() for slot in slots.values())
+
+
+# --- face_pipeline sized to the host ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("affinity", "cpu_max", "usable"), [
+    (16, None, 16), (16, "max 100000\n", 16), (16, "400000 100000\n", 4), (16, "150000 100000", 2),
+    (4, "800000 100000", 4), (1, None, 1),
+])
+def test_usable_cpus(triton_entry: ModuleType, affinity: int, cpu_max: str | None, usable: int) -> None:
+    assert triton_entry.usable_cpus(affinity, cpu_max) == usable
+
+
+def test_pipeline_instances(triton_entry: ModuleType) -> None:
+    assert triton_entry.pipeline_instances({}, 16) == 14, "one per CPU, two left to tritonserver"
+    assert triton_entry.pipeline_instances({}, 2) == 1
+    assert triton_entry.pipeline_instances({"FACEREC_PIPELINE_INSTANCES": "6"}, 16) == 6
+    assert triton_entry.pipeline_instances({"FACEREC_PIPELINE_INSTANCES": "config"}, 16) is None
+    with pytest.raises(triton_entry.EntrypointError, match="FACEREC_PIPELINE_INSTANCES"):
+        triton_entry.pipeline_instances({"FACEREC_PIPELINE_INSTANCES": "0"}, 16)
+
+
+def test_the_entrypoint_writes_the_instance_count(triton_entry: ModuleType, tmp_path: Path,
+                                                  exporter: Exporter) -> None:
+    image_repository(tmp_path)
+    start(triton_entry, tmp_path, exporter, FACEREC_PIPELINE_INSTANCES="6")
+    config = (tmp_path / "models" / "gpu" / "face_pipeline" / "config.pbtxt").read_text()
+    assert "instance_group {\n  count: 6\n  kind: KIND_CPU\n}" in config
+    assert "count: 2" in (tmp_path / "image" / "gpu" / "face_pipeline" / "config.pbtxt").read_text()
+    start(triton_entry, tmp_path, exporter, FACEREC_PIPELINE_INSTANCES="3")
+    assert "count: 3" in (tmp_path / "models" / "gpu" / "face_pipeline" / "config.pbtxt").read_text()
+
+
+def test_instance_count_in_the_exporters_config(triton_entry: ModuleType) -> None:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    config = ROOT / "model_repository" / "gpu" / "face_pipeline" / "config.pbtxt"
+    if not config.is_file():
+        pytest.skip("model_repository/gpu is not generated here (python -m export defaults)")
+    rewritten = text_format.Parse(triton_entry.with_instance_count(config.read_text(), 14), mc.ModelConfig())
+    assert [(g.count, g.kind) for g in rewritten.instance_group] == [(14, mc.ModelInstanceGroup.KIND_CPU)]
+    assert rewritten.parameters["decode_min_side"].string_value != "0", "reduced-size decode is on"

@@ -227,6 +227,7 @@ def test_triton_image_installs_what_face_pipeline_and_the_engine_build_import() 
     allowed = _closure(_requirement_names(args))
     imported = _imported_distributions(
         "import facecore.pipeline, facecore.processing, facecore.triton_config, facecore.probe, "
-        "export.__main__, export.tensorrt_build")
+        "export.__main__, export.tensorrt_build, export.engine_cache, export.engine_check, "
+        "export.tensorrt_runner")
     assert imported - allowed == set(), "the Triton image does not install these"
 

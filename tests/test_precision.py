@@ -96,3 +96,16 @@ def test_check_images_include_the_served_reduced_decode(photos: dict[str, Path])
     plain, served = precision.check_images(some), precision.check_images(some, decode_min_side=640)
     assert len(plain) == 6 and len(served) == 7  # t1.jpg (1280 wide) is decoded at 1/2: one image more
     assert served[-1].shape == (443, 640, 3)
+
+
+def test_faces_are_paired_by_overlap_not_by_rank(reference: precision.Reference) -> None:
+    """Reduced precision can swap two near-equal scores: the same faces in another order are the same."""
+    from dataclasses import replace
+
+    group = next(f for f in reference.faces if len(f) == 6)
+    order = np.array([1, 0, 2, 3, 4, 5])
+    swapped = replace(group, boxes=group.boxes[order], scores=group.scores[order],
+                      landmarks=group.landmarks[order], embeddings=group.embeddings[order],
+                      blur=group.blur[order])
+    result = precision.compare_pipelines([group], [swapped], 0.363, "detector", RuntimeChoice())
+    assert result.passed and result.worst_cosine > 0.9999, result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -762,3 +763,34 @@ def test_reduced_jpeg_decode_and_original_size() -> None:
     assert original_size(data, reduced) == (4000, 3000)
     ok, png = cv2.imencode(".png", image[:400, :600])
     assert decode_image(png.tobytes(), 10**8, min_side=100).shape == (400, 600, 3)  # only JPEGs are reduced
+
+
+def test_fast_header_equals_pil_or_leaves_it_to_pil(photos: dict[str, Path]) -> None:
+    """JPEG and PNG sizes are read from the header without PIL (it cost ~0.2 ms per image, paid twice
+    per request); wherever the fast path answers it must say what PIL says, on whole files and on cuts
+    of them that PIL can still open (a cut PIL refuses fails at decoding instead: 400 either way)."""
+    from facecore.processing import _fast_header
+
+    image = cv2.imread(str(photos["obama.jpg"]), cv2.IMREAD_COLOR)
+    samples = [path.read_bytes() for path in photos.values()]
+    samples += [cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_PROGRESSIVE, 1])[1].tobytes(),
+                cv2.imencode(".png", image)[1].tobytes()]
+    with_exif = io.BytesIO()
+    Image.open(photos["obama.jpg"]).save(with_exif, "JPEG", exif=Image.Exif())
+    samples.append(with_exif.getvalue())
+    answered = 0
+    for data in samples:
+        for cut in (len(data), 4096, 600, 100, 30):
+            fast = _fast_header(data[:cut])
+            if fast is None:
+                continue
+            answered += cut == len(data)
+            try:
+                pil = Image.open(io.BytesIO(data[:cut]))
+            except OSError:
+                assert cut < len(data)
+                continue
+            assert fast == (pil.format, *pil.size)
+    assert answered == len(samples)  # every whole file was answered by the fast path
+    assert _fast_header(b"\xff\xd8\xff\xda" + b"\x00" * 20) is None  # a scan before any frame header
+    assert _fast_header(b"GIF89a" + b"\x00" * 20) is None

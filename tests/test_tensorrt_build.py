@@ -1,9 +1,8 @@
-"""TensorRT engine building: profile checks and repository walking run everywhere; the real
-build runs only where TensorRT is installed (the NGC image or a GPU host)."""
+"""TensorRT engine building: profile checks run everywhere; the real build runs only where TensorRT is
+installed (the NGC image or a GPU host). The repository's engine lifecycle: tests/test_engine_cache.py."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import onnx
@@ -11,13 +10,15 @@ import pytest
 from onnx import TensorProto, helper
 
 from export import __main__ as cli
-from export import tensorrt_build
+from export.engine_cache import EngineSlot, build_repository_engines
+from export.precision import PrecisionCheck
 from export.tensorrt_build import (
     EngineProfile,
     TensorRTUnavailable,
     build_engine,
-    build_repository_engines,
     item_shape,
+    read_config,
+    repository_profile,
     tensorrt_available,
 )
 
@@ -84,7 +85,7 @@ def test_profile_rejects_bad_values(batches: Batches, shape: tuple[int, ...] | N
 def test_item_shape_from_onnx_or_profile() -> None:
     assert item_shape((-1, 3, 112, 112), EngineProfile(1, 2, 4)) == (3, 112, 112)
     assert item_shape((-1, 3, -1, -1), EngineProfile(1, 2, 4, (3, 640, 480))) == (3, 640, 480)
-    with pytest.raises(ValueError, match="give the shape"):
+    with pytest.raises(ValueError, match="give the item shape"):
         item_shape((-1, 3, -1, -1), EngineProfile(1, 2, 4))
     with pytest.raises(ValueError, match="does not fit"):
         item_shape((-1, 3, 112, 112), EngineProfile(1, 2, 4, (3, 96, 96)))
@@ -98,39 +99,16 @@ def test_repository_without_tensorrt_models_builds_nothing(tmp_path: Path) -> No
     (tmp_path / "face_embedder").mkdir()
     (tmp_path / "face_embedder" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\n')
     tiny_onnx(tmp_path / "face_embedder" / "1" / "model.onnx")
-    assert build_repository_engines(tmp_path) == []
-    with pytest.raises(FileNotFoundError):
-        build_repository_engines(tmp_path / "absent")
+    assert build_repository_engines(tmp_path) == {}
 
 
-def test_repository_profiles_come_from_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    trt_model(tmp_path, "face_detector", max_batch=16, versions=(1, 2, 10))
-    trt_model(tmp_path, "face_embedder", max_batch=1)
-    calls: list[tuple[Path, EngineProfile, bool, dict[str, object]]] = []
-
-    def fake_build(onnx_path: Path, out: Path, profile: EngineProfile, fp16: bool = True,
-                   **kw: object) -> Path:
-        calls.append((onnx_path, profile, fp16, kw))
-        out.write_bytes(b"engine")
-        return out
-
-    monkeypatch.setattr(tensorrt_build, "build_engine", fake_build)
-    plans = build_repository_engines(tmp_path, fp16=False)
-    assert plans == [tmp_path / "face_detector/10/model.plan", tmp_path / "face_embedder/1/model.plan"]
-    assert [c[0].parent.name for c in calls] == ["10", "1"]
-    assert calls[0][1] == EngineProfile(1, 8, 16, (3, 8, 8))
-    assert calls[1][1] == EngineProfile(1, 1, 1, (3, 8, 8))
-    assert all(not c[2] and c[3] == {"input_name": "input"} for c in calls)
-
-
-def test_repository_keeps_engines_newer_than_their_onnx(tmp_path: Path) -> None:
-    model = trt_model(tmp_path, "face_detector")
-    plan = model / "1" / "model.plan"
-    plan.write_bytes(b"engine")
-    onnx_time = (model / "1" / "model.onnx").stat().st_mtime
-    os.utime(plan, (onnx_time + 10, onnx_time + 10))
-    assert build_repository_engines(tmp_path) == [plan]  # no TensorRT needed: nothing to build
-    assert plan.read_bytes() == b"engine"
+def test_repository_profiles_come_from_the_config(tmp_path: Path) -> None:
+    model = trt_model(tmp_path, "face_detector", max_batch=16)
+    assert repository_profile("face_detector", read_config(model / "config.pbtxt")) == (
+        "input", EngineProfile(1, 8, 16, (3, 8, 8)))
+    (model / "config.pbtxt").write_text(TRT_CONFIG.format(name="x", max_batch=0))
+    with pytest.raises(ValueError, match="max_batch_size"):
+        repository_profile("x", read_config(model / "config.pbtxt"))
 
 
 @without_tensorrt
@@ -142,7 +120,7 @@ def test_build_without_tensorrt_explains_where_to_build(tmp_path: Path) -> None:
     assert not (tmp_path / "tiny.plan").exists()
     model = trt_model(tmp_path / "repo", "face_detector")
     with pytest.raises(TensorRTUnavailable):
-        build_repository_engines(tmp_path / "repo")
+        build_repository_engines(tmp_path / "repo", gpus=["NVIDIA H100"], tensorrt="10.5.0")
     assert not (model / "1" / "model.plan").exists()
 
 
@@ -165,4 +143,10 @@ def test_build_real_engine(tmp_path: Path) -> None:
     dynamic = tiny_onnx(tmp_path / "dynamic.onnx", size="side")
     build_engine(dynamic, tmp_path / "dynamic.plan", EngineProfile(1, 1, 2, (3, 16, 16)), input_name="input")
     trt_model(tmp_path / "repo", "face_detector", max_batch=4)
-    assert build_repository_engines(tmp_path / "repo") == [tmp_path / "repo/face_detector/1/model.plan"]
+
+    def accept(slot: EngineSlot, precision: str) -> PrecisionCheck:  # the real check: test_engine_check.py
+        return PrecisionCheck("detector", "tensorrt", precision, True, 0, 1.0)
+
+    outcome = build_repository_engines(tmp_path / "repo", "fp32", check=accept)
+    assert outcome == {"face_detector/1": "built fp32"}
+    assert (tmp_path / "repo/face_detector/1/model.plan").is_file()

@@ -1,24 +1,30 @@
-"""Entrypoint of the GPU Triton image: model repository, TensorRT engine cache, then ``exec tritonserver``.
+"""Entrypoint of the GPU Triton image: repository, TensorRT engines, host sizing, then ``exec tritonserver``.
+
+The image's ENTRYPOINT is NGC's ``/opt/nvidia/nvidia_entrypoint.sh`` followed by this script, so CUDA
+forward compatibility on older data-centre drivers is set up (by NGC's ``entrypoint.d``) before anything
+here touches the GPU.
 
 1. **Repository.** ``/models/gpu`` (the ``models`` volume) is seeded from the repository baked into
    the image at build time (``python -m export defaults --profiles gpu``). It is re-seeded when the
    image's repository changes (a ``.facerec-seed`` digest records what it was seeded from); a
    repository without that marker was put there by an operator and is used as found.
-2. **Engines.** TensorRT engines are specific to the GPU model and the TensorRT version, so they are
-   cached in the ``engines`` volume under a key made of both
-   (``/engines/<gpu names>__trt-<version>/<model>/<version>/model.plan``) together with the sha256 of
-   the ONNX file they were built from. At every start the engines of the present key are copied
-   beside their ``model.onnx`` (stale ones are removed), ``python -m export tensorrt --repository``
-   builds whatever is missing (the first start on a GPU takes minutes), and new engines are stored
-   back. Another GPU or another TensorRT therefore means another key and a rebuild; a new ONNX file
-   means a rebuild of that model only.
-3. **Server.** ``exec tritonserver --model-repository=/models/gpu --model-control-mode=none`` with
+2. **Engines.** ``python -m export tensorrt --repository`` (``export/engine_cache.py``) makes the plan
+   of every servable version current: each plan is keyed by (ONNX sha256, optimization profile,
+   precision, TensorRT version, GPU model), restored from the ``engines`` volume when that key was built
+   before, else built and compared with its ONNX model on the test photos baked into the image (an FP16
+   plan that fails is replaced by an FP32 one). This script detects the GPU model(s) and the TensorRT
+   version and passes them on; it fails clearly when no GPU is visible.
+3. **Host sizing.** ``face_pipeline``'s instance count (its Python work: decode, letterbox, NMS,
+   alignment) is set from the CPUs this container may use (affinity and cgroup quota), leaving two for
+   Triton itself; ``FACEREC_PIPELINE_INSTANCES`` sets it (a number) or keeps the config's (``config``).
+4. **Server.** ``exec tritonserver --model-repository=/models/gpu --model-control-mode=none`` with
    HTTP 8000, gRPC 8001 and metrics 8002; arguments given to this script are appended.
 
 Environment (all optional): ``FACEREC_IMAGE_REPOSITORY`` (baked repository),
 ``FACEREC_MODEL_REPOSITORY`` (served repository), ``FACEREC_ENGINE_CACHE`` (engine volume),
-``FACEREC_ENGINE_FP32=1`` (FP32 engines), ``FACEREC_GPU_NAME`` / ``FACEREC_TRT_VERSION`` (override
-detection), ``FACEREC_TRITONSERVER`` (server binary).
+``FACEREC_ENGINE_FP32=1`` (FP32 engines), ``FACEREC_CHECK_PHOTOS`` (the photos plans are checked on),
+``FACEREC_GPU_NAME`` / ``FACEREC_TRT_VERSION`` (override detection), ``FACEREC_PIPELINE_INSTANCES``,
+``FACEREC_TRITONSERVER`` (server binary).
 
 Standard library only: it runs before anything else and is unit-tested without a GPU.
 """
@@ -27,9 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import fcntl
 import hashlib
-import json
 import logging
 import os
 import re
@@ -38,7 +42,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +64,7 @@ class Paths:
     image_repository: Path
     repository: Path
     engine_cache: Path
+    check_photos: Path
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> Paths:
@@ -68,6 +72,7 @@ class Paths:
             image_repository=Path(env.get("FACEREC_IMAGE_REPOSITORY", "/opt/facerec/model_repository/gpu")),
             repository=Path(env.get("FACEREC_MODEL_REPOSITORY", "/models/gpu")),
             engine_cache=Path(env.get("FACEREC_ENGINE_CACHE", "/engines")),
+            check_photos=Path(env.get("FACEREC_CHECK_PHOTOS", "/opt/facerec/check-photos")),
         )
 
 
@@ -130,46 +135,13 @@ def seed_repository(source: Path, target: Path) -> str:
     return "seeded"
 
 
-@dataclass(frozen=True)
-class EngineSlot:
-    """The latest version of one ``tensorrt_plan`` model: where its ONNX is and its engine goes."""
-
-    model: str
-    version: str
-    onnx: Path
-    plan: Path
-
-
-def engine_slots(repository: Path) -> list[EngineSlot]:
-    slots = []
-    for config in sorted(repository.glob("*/config.pbtxt")):
-        text = config.read_text(encoding="utf-8")
-        if not _TRT_PLATFORM.search(text):
-            continue
-        versions = [d for d in config.parent.iterdir() if d.name.isdigit() and (d / ONNX).is_file()]
-        if not versions:
-            log.warning("%s: no version directory with %s", config.parent.name, ONNX)
-            continue
-        latest = max(versions, key=lambda d: int(d.name))
-        filename = _DEFAULT_FILENAME.search(text)
-        plan = latest / (filename.group(1) if filename else PLAN)
-        slots.append(EngineSlot(config.parent.name, latest.name, latest / ONNX, plan))
-    return slots
+def tensorrt_models(repository: Path) -> list[str]:
+    """The ``tensorrt_plan`` models of a repository."""
+    return [config.parent.name for config in sorted(repository.glob("*/config.pbtxt"))
+            if _TRT_PLATFORM.search(config.read_text(encoding="utf-8"))]
 
 
 # --- what the engines are specific to ---------------------------------------------------------------
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "unknown"
-
-
-def cache_key(gpu_names: Sequence[str], trt_version: str) -> str:
-    """``NVIDIA-H100-80GB-HBM3__trt-10.5.0.18-1-cuda12.6``: every distinct GPU name, then TensorRT."""
-    names = sorted({_slug(name) for name in gpu_names})
-    if not names:
-        raise EntrypointError("no GPU name to key the engine cache with")
-    return f"{'+'.join(names)}__trt-{_slug(trt_version)}"
-
 
 def _run(command: Sequence[str]) -> str:
     return subprocess.run(list(command), capture_output=True, text=True, timeout=60, check=True).stdout
@@ -251,69 +223,14 @@ def tensorrt_version(env: Mapping[str, str]) -> str:
     raise EntrypointError("cannot tell the TensorRT version (no libnvinfer10 package, library or bindings)")
 
 
-# --- the engine cache --------------------------------------------------------------------------------
+# --- the engines -------------------------------------------------------------------------------------
 
-@contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock on the cache, for containers that share the volume."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / ".lock").open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _cached(cache: Path, slot: EngineSlot) -> tuple[Path, Path]:
-    base = cache / slot.model / slot.version
-    return base / PLAN, base / "engine.json"
-
-
-def restore_engines(cache: Path, slots: Sequence[EngineSlot]) -> dict[str, str]:
-    """Put the cached engine of each slot beside its ONNX, or remove a stale one; model -> outcome."""
-    outcome = {}
-    for slot in slots:
-        plan, meta = _cached(cache, slot)
-        wanted = file_sha256(slot.onnx)
-        recorded = json.loads(meta.read_text()).get("onnx_sha256") if meta.is_file() else None
-        if plan.is_file() and recorded == wanted:
-            tmp = slot.plan.with_name(f".{slot.plan.name}.{os.getpid()}.tmp")
-            shutil.copyfile(plan, tmp)
-            os.replace(tmp, slot.plan)
-            os.utime(slot.plan)  # newer than model.onnx: the builder keeps it
-            outcome[slot.model] = "cached"
-        else:
-            slot.plan.unlink(missing_ok=True)  # built for another GPU, TensorRT or ONNX file
-            outcome[slot.model] = "build"
-    return outcome
-
-
-def store_engines(cache: Path, slots: Sequence[EngineSlot], key_info: Mapping[str, object]) -> list[str]:
-    """Copy freshly built engines into the cache; returns the models stored."""
-    stored = []
-    for slot in slots:
-        if not slot.plan.is_file():
-            raise EntrypointError(f"{slot.model}: no engine at {slot.plan} after the build")
-        plan, meta = _cached(cache, slot)
-        onnx_sha = file_sha256(slot.onnx)
-        if plan.is_file() and meta.is_file() and json.loads(meta.read_text()).get("onnx_sha256") == onnx_sha \
-                and file_sha256(plan) == file_sha256(slot.plan):
-            continue
-        plan.parent.mkdir(parents=True, exist_ok=True)
-        tmp = plan.with_name(f".{plan.name}.{os.getpid()}.tmp")
-        shutil.copyfile(slot.plan, tmp)
-        os.replace(tmp, plan)
-        meta.write_text(json.dumps({"onnx_sha256": onnx_sha, "model": slot.model, "version": slot.version,
-                                    "stored_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                    **key_info}, indent=2) + "\n")
-        stored.append(slot.model)
-    return stored
-
-
-def build_command(repository: Path, fp32: bool) -> list[str]:
-    return [sys.executable, "-m", "export", "tensorrt", "--repository", str(repository),
-            *(["--fp32"] if fp32 else [])]
+def build_command(paths: Paths, gpus: Sequence[str], trt_version: str, fp32: bool) -> list[str]:
+    """``python -m export tensorrt --repository``: keys, cache, build and check (export/engine_cache.py)."""
+    return [sys.executable, "-m", "export", "tensorrt", "--repository", str(paths.repository),
+            "--engine-cache", str(paths.engine_cache), "--check-photos", str(paths.check_photos),
+            *(arg for name in sorted(set(gpus)) for arg in ("--gpu-name", name)),
+            "--tensorrt-version", trt_version, *(["--fp32"] if fp32 else [])]
 
 
 def _build(command: Sequence[str]) -> None:
@@ -321,35 +238,74 @@ def _build(command: Sequence[str]) -> None:
 
 
 def prepare_engines(paths: Paths, env: Mapping[str, str],
-                    build: Callable[[Sequence[str]], None] = _build) -> dict[str, str]:
-    """Restore or build every engine of ``paths.repository``; model -> ``cached`` or ``built``."""
-    slots = engine_slots(paths.repository)
-    if not slots:
+                    build: Callable[[Sequence[str]], None] = _build) -> None:
+    """Make the plan of every servable version current (restored, or built and checked)."""
+    models = tensorrt_models(paths.repository)
+    if not models:
         log.info("%s has no tensorrt_plan model: nothing to build", paths.repository)
-        return {}
+        return
     names, version = gpu_names(env), tensorrt_version(env)
-    key = cache_key(names, version)
-    if len(set(names)) > 1:
-        log.warning("GPUs of different models are visible (%s): the engines must suit all of them", names)
-    cache = paths.engine_cache / key
-    with locked(paths.engine_cache):
-        outcome = restore_engines(cache, slots)
-        missing = [model for model, state in outcome.items() if state == "build"]
-        if missing:
-            log.info("building TensorRT engines for %s on %s (TensorRT %s); the first start on a GPU takes "
-                     "minutes", ", ".join(missing), ", ".join(sorted(set(names))), version)
-            started = time.monotonic()
-            try:
-                build(build_command(paths.repository, env.get("FACEREC_ENGINE_FP32", "0") == "1"))
-            except subprocess.CalledProcessError as exc:
-                raise EntrypointError(
-                    f"the TensorRT build failed (exit code {exc.returncode}); see above") from exc
-            log.info("engines built in %.0f s", time.monotonic() - started)
-            store_engines(cache, slots, {"gpu_names": names, "tensorrt": version, "key": key})
-            outcome.update(dict.fromkeys(missing, "built"))
-        else:
-            log.info("engines for %s restored from %s", ", ".join(outcome), cache)
-    return outcome
+    log.info("TensorRT engines of %s for %s (TensorRT %s); a first build takes minutes", ", ".join(models),
+             ", ".join(sorted(set(names))), version)
+    started = time.monotonic()
+    try:
+        build(build_command(paths, names, version, env.get("FACEREC_ENGINE_FP32", "0") == "1"))
+    except subprocess.CalledProcessError as exc:
+        raise EntrypointError(f"the TensorRT engines could not be prepared (exit code {exc.returncode}); "
+                              "see above") from exc
+    log.info("engines ready in %.0f s", time.monotonic() - started)
+
+
+# --- sizing to the host ------------------------------------------------------------------------------
+
+_INSTANCES = re.compile(r"(instance_group\s*\{[^}]*?count:\s*)(\d+)")
+#: CPUs left to tritonserver itself (gRPC/HTTP frontends, the TensorRT instances' threads).
+RESERVED_CPUS = 2
+
+
+def usable_cpus(affinity: int, cpu_max: str | None) -> int:
+    """CPUs this container may use: its affinity, bounded by a cgroup v2 quota (``cpu.max``)."""
+    if cpu_max:
+        quota, _, period = cpu_max.strip().partition(" ")
+        if quota != "max" and quota.isdigit() and period.isdigit() and int(period) > 0:
+            return max(1, min(affinity, -(-int(quota) // int(period))))
+    return max(1, affinity)
+
+
+def pipeline_instances(env: Mapping[str, str], cpus: int) -> int | None:
+    """face_pipeline's instance count: FACEREC_PIPELINE_INSTANCES, or one per CPU left over (None: keep)."""
+    wanted = env.get("FACEREC_PIPELINE_INSTANCES", "auto").strip().lower()
+    if wanted == "config":
+        return None
+    if wanted == "auto":
+        return max(1, cpus - RESERVED_CPUS)
+    if wanted.isdigit() and int(wanted) >= 1:
+        return int(wanted)
+    raise EntrypointError(f"FACEREC_PIPELINE_INSTANCES must be auto, config or a number, got {wanted!r}")
+
+
+def with_instance_count(config_text: str, count: int) -> str:
+    """``config.pbtxt`` text with its (first) instance_group's count set to ``count``."""
+    updated, found = _INSTANCES.subn(lambda m: f"{m.group(1)}{count}", config_text, count=1)
+    if not found:
+        raise EntrypointError("face_pipeline's config.pbtxt has no instance_group count to size")
+    return updated
+
+
+def _host_cpus() -> int:
+    cpu_max = Path("/sys/fs/cgroup/cpu.max")
+    return usable_cpus(len(os.sched_getaffinity(0)), cpu_max.read_text() if cpu_max.is_file() else None)
+
+
+def size_pipeline(repository: Path, env: Mapping[str, str], cpus: int | None = None) -> int | None:
+    """Write face_pipeline's instance count for this host into the served repository; returns it."""
+    config = repository / "face_pipeline" / "config.pbtxt"
+    count = pipeline_instances(env, _host_cpus() if cpus is None else cpus)
+    if count is None or not config.is_file():
+        return None
+    config.write_text(with_instance_count(config.read_text(encoding="utf-8"), count))
+    log.info("face_pipeline: %d instances for this host", count)
+    return count
 
 
 def server_command(repository: Path, extra: Sequence[str], env: Mapping[str, str]) -> list[str]:
@@ -368,6 +324,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         seed_repository(paths.image_repository, paths.repository)
         prepare_engines(paths, env, build)
+        size_pipeline(paths.repository, env)
     except EntrypointError as exc:
         log.error("%s", exc)
         return 1

@@ -36,6 +36,8 @@ async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONR
         probe = recognition.invalidate("not checked: face_pipeline is not ready in Triton")
     checks = {"triton": triton, "recognition": probe.ok, "database": database, "gallery": gallery.loaded}
     details = {} if probe.ok else {"recognition": probe.detail}
+    if not triton:
+        details["triton"] = "face_pipeline is not ready in Triton, or Triton does not answer"
     status = supervised() if supervised is not None else None
     if status is not None and not status.up:  # the bundled tritonserver is being restarted
         checks["triton"] = False
