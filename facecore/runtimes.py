@@ -45,7 +45,12 @@ def runner(path: str | Path, output_names: Sequence[str], choice: RuntimeChoice)
         names = [output.get_any_name() for output in compiled.outputs]
         order = [names.index(name) for name in output_names]
         network = Network(compiled)
-        return lambda batch: [network(batch)[i] for i in order]
+
+        def run(batch: np.ndarray[Any, Any]) -> list[FloatArray]:
+            outputs = network(batch)  # one inference, its outputs in ``output_names`` order
+            return [outputs[i] for i in order]
+
+        return run
     session = create_session(path, intra_op_threads=choice.threads, spinning=choice.spinning)
     input_name = session.get_inputs()[0].name
     names = list(output_names)

@@ -109,3 +109,25 @@ def test_faces_are_paired_by_overlap_not_by_rank(reference: precision.Reference)
                       blur=group.blur[order])
     result = precision.compare_pipelines([group], [swapped], 0.363, "detector", RuntimeChoice())
     assert result.passed and result.worst_cosine > 0.9999, result
+
+
+def test_an_openvino_runner_infers_once_per_call(default_models: DefaultModels,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A network with three outputs (the detector) is one inference per call, its outputs reordered to the
+    description's names (the runner once ran the whole detector for each output: 3x its cost)."""
+    from facecore.runtimes import runner
+
+    calls = []
+    real = ov_runtime.Network.run
+
+    def counted(self: ov_runtime.Network, batch: np.ndarray) -> list[np.ndarray]:  # type: ignore[type-arg]
+        calls.append(batch.shape)
+        return real(self, batch)
+
+    monkeypatch.setattr(ov_runtime.Network, "run", counted)
+    spec = default_models.detector
+    run = runner(default_models.detector_file, spec.output_names, RuntimeChoice(Runtime.OPENVINO, "f32", 1))
+    batch = np.zeros((1, 3, 160, 160), np.float32)
+    loc, conf, landmarks = run(batch)
+    assert len(calls) == 1
+    assert (loc.shape[-1], conf.shape[-1], landmarks.shape[-1]) == (4, 2, 10)
