@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(best, trials, args.budget_ms)
     print(text)
     if args.report:
-        command = " ".join(["python -m bench.tune", *(argv if argv is not None else sys.argv[1:])])
+        command = shlex.join(["python", "-m", "bench.tune", *(argv if argv is not None else sys.argv[1:])])
         args.report.write_text(f"{REPORT_HEADER.format(command=command, machine=machine_description())}\n\n"
                                f"{text}\n")
     if not args.dry_run:
