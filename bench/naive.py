@@ -168,7 +168,7 @@ def measure(models: ServedModels, photos: dict[str, bytes], threads: Sequence[in
 
 
 COLUMNS = ("target", "photo", "concurrency", "images/s", "p50 ms", "p90 ms", "p99 ms", "errors",
-           "CPU ms/request (client / server)", "server RSS MiB")
+           "CPU ms/request (client / server)", "server PSS MiB")
 
 
 def load_table(rows: Sequence[LoadRow]) -> str:

@@ -151,12 +151,16 @@ def _memory_section(results: Results) -> list[str]:
     if not memory:
         return []
     biggest = sorted(memory.breakdown_mib.items(), key=lambda kv: -kv[1])
-    return [say(text.MEMORY_HEADING, c=memory.concurrency, minutes=memory.minutes),
-            say(text.MEMORY, interval=memory.interval_s, warmup=memory.warmup_s, samples=len(memory.times_s),
-                requests=memory.load.requests, throughput=memory.load.throughput, errors=memory.load.errors),
-            stack_part.memory_table(memory),
-            say(text.MEMORY_BREAKDOWN, processes=", ".join(say(text.PROCESS_MIB, name=k, mib=v)
-                                                          for k, v in biggest))]
+    parts = [say(text.MEMORY_HEADING, c=memory.concurrency, minutes=memory.minutes),
+             say(text.MEMORY, interval=memory.interval_s, warmup=memory.warmup_s, samples=len(memory.times_s),
+                 requests=memory.load.requests, throughput=memory.load.throughput, errors=memory.load.errors),
+             stack_part.memory_table(memory),
+             say(text.MEMORY_BREAKDOWN, processes=", ".join(say(text.PROCESS_MIB, name=k, mib=v)
+                                                           for k, v in biggest))]
+    if memory.summed_rss_mib:
+        parts.append(say(text.MEMORY_SUMMED_RSS, figures=", ".join(
+            say(text.PROCESS_MIB, name=k, mib=v) for k, v in memory.summed_rss_mib.items())))
+    return parts
 
 
 def document(results: Results, written: dict[str, str]) -> str:

@@ -78,11 +78,11 @@ def plots(results: Results, out: Path) -> dict[str, str]:
             ax.plot([t / 60 for t in memory.times_s], values, marker=".", linewidth=1)
             start = values[0] if values else 0
             ax.axhspan(start * 0.9, start * 1.1, color="green", alpha=0.08, label="start +-10 %")
-            ax.set(ylabel="RSS MiB", title="Triton (server + stubs)" if process == "triton" else process)
+            ax.set(ylabel="PSS MiB", title="Triton (server + stubs)" if process == "triton" else process)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower right")
         axes[-1][0].set_xlabel("minutes")
-        fig.suptitle(f"Resident memory, REST identify at concurrency {memory.concurrency}")
+        fig.suptitle(f"Resident memory (PSS), REST identify at concurrency {memory.concurrency}")
         fig.tight_layout()
         fig.savefig(out / PLOTS["memory"], dpi=110)
         plt.close(fig)

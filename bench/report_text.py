@@ -52,8 +52,8 @@ TARGET_HOLDS = ("REST identify throughput at concurrency {c} >= {share:.0%} of i
 MEASURED_HOLDS = "{high:.1f} / {top:.1f} images/s (at {c}) = {share:.0%}"
 TARGET_TAIL = "REST identify p99 <= {factor:g}x p50 at concurrency {c} ({photo})"
 MEASURED_TAIL = "{p99:.0f} / {p50:.0f} ms = {ratio:.2f}x"
-TARGET_TRITON_RSS = ("Triton (server + Python-backend stubs) resident memory <= {limit:g} GiB at concurrency "
-                     "{c}")
+TARGET_TRITON_RSS = ("Triton (server + Python-backend stubs) resident memory (PSS) <= {limit:g} GiB at "
+                     "concurrency {c}")
 MEASURED_TRITON_RSS = "{mib:.0f} MiB at most ({where})"
 MEMORY_RUN = "memory run, {minutes:g} min"
 TARGET_GATEWAY_CPU = "gateway CPU per identify at concurrency {c} <= {limit:g} ms ({photo})"
@@ -177,9 +177,11 @@ PERF_ANALYZER = ("{version} from the `tritonclient==2.51.0` wheel (sha256 `{sha2
                  "gRPC. Command per concurrency: `{command}`")
 MEMORY_HEADING = "### Memory: REST identify at concurrency {c} for {minutes:g} min"
 MEMORY = ("Resident memory sampled every {interval:.1f} s after a {warmup:.0f} s warm-up at the same load "
-          "({samples} samples; {requests} requests, {throughput:.1f} images/s, {errors} errors). The Triton"
-          " figure sums the server and its Python-backend stub processes (shared pages count once per "
-          "process).")
+          "({samples} samples; {requests} requests, {throughput:.1f} images/s, {errors} errors). Every "
+          "memory figure is PSS (proportional set size): a page that n processes share counts 1/n in each, "
+          "so the Triton figure, the sum over the server and its Python-backend stub processes, counts the "
+          "pages they share (the shared-memory regions tensors cross, the libraries) once.")
+MEMORY_SUMMED_RSS = ("Summed RSS at the end, which counts those shared pages once per process: {figures}.")
 MEMORY_BREAKDOWN = "Triton's processes at the end: {processes}"
 GALLERY_HEADING = "### Gallery search scaling (`bench/gallery.py`; details in [gallery.md](gallery.md))"
 ENROLL_HEADING = "### Enrollment throughput (`bench/enroll.py`; details in [gallery.md](gallery.md))"

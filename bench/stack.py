@@ -44,6 +44,7 @@ from bench.core.processes import (
     free_port,
     process_label,
     process_tree,
+    resident_bytes,
     rss_bytes,
     start_server,
 )
@@ -180,10 +181,12 @@ class MemoryRun:
     concurrency: int
     interval_s: float
     times_s: list[float]
-    rss_mib: dict[str, list[float]]  # per watched process (tree), one value per sample
+    rss_mib: dict[str, list[float]]  # resident memory (PSS) per watched process (tree), one value per sample
     load: LoadRow
     warmup_s: float = 0.0
     breakdown_mib: dict[str, float] = field(default_factory=dict)  # the Triton tree's processes at the end
+    #: summed RSS per watched tree at the end, for comparison (shared pages counted once per process)
+    summed_rss_mib: dict[str, float] = field(default_factory=dict)
 
     def flatness(self, name: str) -> dict[str, float]:
         """Start, end, min, max (MiB), the largest deviation from the start and the end's (percent), and the
@@ -216,17 +219,18 @@ def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency
                            stack.triton_grpc)
     finally:
         sender.close()
-    breakdown = {f"{process_label(pid)} [{pid}]": rss_bytes([pid]) / MIB
+    breakdown = {f"{process_label(pid)} [{pid}]": resident_bytes([pid]) / MIB
                  for pid in process_tree(stack.triton_pid)}
+    summed_rss = {w.name: rss_bytes(w.pids()) / MIB for w in stack.watched()}
     return MemoryRun(minutes, concurrency, interval, [t for t, _ in sampler.samples],
                      {w.name: [s[w.name] / MIB for _, s in sampler.samples] for w in stack.watched()}, row,
-                     warmup, breakdown)
+                     warmup, breakdown, summed_rss)
 
 
 # --- report -----------------------------------------------------------------------------------------
 
 LOAD_COLUMNS = ("target", "photo", "concurrency", "images/s", "p50 ms", "p90 ms", "p99 ms", "errors",
-                "CPU ms/request: client / gateway / Triton", "RSS MiB: gateway / Triton")
+                "CPU ms/request: client / gateway / Triton", "PSS MiB: gateway / Triton")
 
 
 def load_table(rows: Sequence[LoadRow]) -> str:

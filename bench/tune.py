@@ -4,7 +4,7 @@
 
 Each candidate is a full repository (written by ``export``) served by a fresh tritonserver and
 measured over gRPC with real photos: p50/p99 at concurrency 1, throughput at concurrency 8, and the
-peak resident memory of Triton's process tree at concurrency 16 (a candidate above ``--memory-mib``,
+peak resident memory (PSS) of Triton's tree at concurrency 16 (a candidate above ``--memory-mib``,
 default 1536, is not kept).
 The search is coordinate descent from the current default: one dimension at a time (the runtime,
 OpenVINO or ONNX Runtime; the layout, BLS or the two networks inside face_pipeline; instances x threads
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="measurement time per candidate")
     parser.add_argument("--margin", type=float, default=0.03, help="improvement needed to keep a change")
     parser.add_argument("--memory-mib", type=float, default=MEMORY_BUDGET_MIB,
-                        help="Triton tree resident memory budget at concurrency 16 (default: %(default)s)")
+                        help="Triton tree PSS budget at concurrency 16 (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="measure and report, do not record the winner")
     parser.add_argument("--report", type=Path, help="also write the Markdown table here")
     parser.add_argument("--dimensions", nargs="+", choices=list(DIMENSIONS), metavar="DIMENSION",

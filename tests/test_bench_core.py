@@ -4,6 +4,8 @@ servers, and the bundled Triton started through the launcher."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable
@@ -13,7 +15,15 @@ import pytest
 
 from bench.core.inputs import served_models
 from bench.core.load import closed_loop, run_load
-from bench.core.processes import Watched, cpu_seconds, free_port, process_tree, rss_bytes, start_server
+from bench.core.processes import (
+    Watched,
+    cpu_seconds,
+    free_port,
+    process_tree,
+    resident_bytes,
+    rss_bytes,
+    start_server,
+)
 from bench.core.reporting import machine_description, markdown_table, read_section, write_section
 from bench.core.triton import bundled_triton, model_statistics, triton_url
 from service.launcher import stop_process
@@ -66,6 +76,40 @@ def test_a_child_server_is_accounted_and_stopped(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="exited with code"):
         start_server([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "bad.log",
                      f"http://127.0.0.1:{free_port()}/", timeout=30)
+
+
+SHARER = """
+import mmap, sys
+region = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED)
+region.write(b"x" * (64 << 20))  # 64 MiB of pages touched, shared with the child forked next
+import os
+child = os.fork()
+if child == 0:
+    region.seek(0)
+    region.read()  # the child maps (and reads) the same pages
+    print(os.getpid(), flush=True)
+    sys.stdin.read()
+    os._exit(0)
+sys.stdin.read()
+"""
+
+
+def test_shared_pages_count_once_in_a_tree(tmp_path: Path) -> None:
+    """A server and its stubs share memory: the tree's resident memory (PSS) counts a shared page once,
+    summed RSS once per process (the Triton tree's RSS sum was about twice its real footprint)."""
+    process = subprocess.Popen([sys.executable, "-c", SHARER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        int(process.stdout.readline())  # the child has read the region
+        pids = process_tree(process.pid)
+        assert len(pids) == 2
+        shared = 64 << 20
+        assert rss_bytes(pids) - resident_bytes(pids) > 0.8 * shared  # RSS counts the 64 MiB twice
+        assert resident_bytes(pids) > shared  # and PSS still counts them once
+    finally:
+        for pid in reversed(process_tree(process.pid)):  # the child first, then its parent
+            os.kill(pid, signal.SIGKILL)
+        process.wait()
 
 
 def _getter(url: str) -> Callable[[], bytes]:

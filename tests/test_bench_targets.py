@@ -87,7 +87,7 @@ def test_load_memory_and_gateway_targets() -> None:
     assert held.status == "pass" and "19.5 / 20.0 images/s (at 4) = 98%" in held.measured
     tail = found["REST identify p99 <= 3x p50 at concurrency 8 (obama.jpg)"]
     assert tail.status == "falls short" and "1300 / 400 ms = 3.25x" in tail.measured
-    rss = found["Triton (server + Python-backend stubs) resident memory <= 1.5 GiB at concurrency 16"]
+    rss = found["Triton (server + Python-backend stubs) resident memory (PSS) <= 1.5 GiB at concurrency 16"]
     assert rss.status == "falls short" and "1600 MiB at most (memory run, 0.5 min)" in rss.measured
     assert "stub face_embedder [1] 700 MiB" in rss.why
     gateway = found["gateway CPU per identify at concurrency 8 <= 3 ms (obama.jpg)"]

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 
-from bench.core.processes import Watched, cpu_seconds, process_label, rss_bytes
+from bench.core.processes import Watched, cpu_seconds, process_label, resident_bytes
 from bench.core.reporting import MIB
 from bench.core.triton import model_statistics, statistics_delta
 
@@ -127,7 +127,7 @@ class LoadRow:
     cpu_ms: dict[str, float] = field(default_factory=dict)  # per watched process (tree), per request
     #: per process of the watched trees ("triton: stub face_detector"), per request
     cpu_detail_ms: dict[str, float] = field(default_factory=dict)
-    rss_mib: dict[str, float] = field(default_factory=dict)  # at the end of the run
+    rss_mib: dict[str, float] = field(default_factory=dict)  # resident memory (PSS) at the end of the run
     triton: dict[str, dict[str, float]] | None = None  # statistics deltas per model
 
     @property
@@ -162,5 +162,5 @@ def run_load(target: str, photo: str, send: Callable[[], object], concurrency: i
         p90_ms=result.percentile(90), p99_ms=result.percentile(99), client_cpu_ms=1000 * client / done,
         cpu_ms={name: 1000 * value / done for name, value in cpu.items()},
         cpu_detail_ms={key: 1000 * value / done for key, value in sorted(detail.items())},
-        rss_mib={w.name: rss_bytes(w.pids()) / MIB for w in watched}, triton=stats,
+        rss_mib={w.name: resident_bytes(w.pids()) / MIB for w in watched}, triton=stats,
     )
