@@ -60,9 +60,10 @@ def _latency_why(results: Results, row: LoadRow, ceiling: PhotoCeiling) -> str:
             parts.append(say(text.WHY_PIPELINE_OUTSIDE, outside=outside,
                              inprocess=ceiling.best_split.outside_models_ms))
         compute = sum(stats[m].get("compute_ms_per_item", 0.0) for m in ("face_detector", "face_embedder")
-                      if m in stats)
-        inprocess = sum(ceiling.best_split.stages_ms[s] for s in ceiling_part.MODEL_STAGES)
-        parts.append(say(text.WHY_NETWORKS, stubs=compute, inprocess=inprocess))
+                      if m in stats and stats[m].get("items", 0.0) > 0)
+        if compute > 0:  # the networks were called as models (the BLS layout)
+            inprocess = sum(ceiling.best_split.stages_ms[s] for s in ceiling_part.MODEL_STAGES)
+            parts.append(say(text.WHY_NETWORKS, stubs=compute, inprocess=inprocess))
     if row.target == REST:
         grpc = find(results.stack, GRPC, row.photo, 1)
         if grpc:

@@ -222,6 +222,9 @@ def _outside_models(results: Results) -> list[Target]:
         grpc = find(results.stack, GRPC, ONE_FACE, concurrency)
         stats = (grpc.triton or {}).get("face_pipeline", {}) if grpc else {}
         name = say(text.TARGET_OUTSIDE_TRITON, c=concurrency)
+        if stats and "outside_models_ms_per_image" not in stats:  # the networks ran inside face_pipeline
+            out.append(Target(name, "—", text.NOT_MEASURED, text.WHY_IN_PROCESS_LAYOUT))
+            continue
         if "outside_models_ms_per_image" not in stats:
             out.append(not_measured(name, results, ("stack",)))
             continue

@@ -99,6 +99,9 @@ WHY_QUEUES = ("Triton queues add {queue:.1f} ms (dynamic-batching delays of face
 WHY_PIPELINE_OUTSIDE = ("face_pipeline spends {outside:.1f} ms outside the networks (in-process: "
                         "{inprocess:.1f} ms)")
 WHY_NETWORKS = "the networks take {stubs:.1f} ms in the stubs vs {inprocess:.1f} ms in-process"
+WHY_IN_PROCESS_LAYOUT = ("the served layout runs both networks inside face_pipeline (in_process), so "
+                         "Triton's statistics cannot tell its own time from the networks'; the in-process "
+                         "split below measures the same steps.")
 WHY_GATEWAY = "the gateway (HTTP, multipart, gallery search, JSON) adds {extra:.1f} ms over gRPC"
 WHY_RUNTIME = ("single image {single:.1f} vs {ort_single:.1f} ms on ONNX Runtime: the two networks "
                "{models:.1f} vs {ort_models:.1f} ms, everything else {outside:.1f} vs {ort_outside:.1f} ms "

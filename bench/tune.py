@@ -202,8 +202,8 @@ def sweep(start: ProfileTuning, payloads: list[bytes], seconds: float, budget_ms
 
 
 def report(best: Trial, trials: list[Trial], budget_ms: float) -> str:
-    lines = [f"Latency budget: p99 at concurrency 8 <= {budget_ms:.0f} ms; Triton tree memory at concurrency "
-             f"16 <= {MEMORY_BUDGET_MIB:.0f} MiB. Chosen: **{best.name}**.", "",
+    lines = [f"Latency budget: p99 at concurrency 8 <= {budget_ms:.0f} ms; Triton tree memory (PSS) at "
+             f"concurrency 16 <= {MEMORY_BUDGET_MIB:.0f} MiB. Chosen: **{best.name}**.", "",
              "| candidate | p50 @1 (ms) | p99 @8 (ms) | images/s @8 | MiB @16 | errors |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {t.name} | {t.p50_c1_ms:.1f} | {t.p99_c8_ms:.1f} | {t.throughput_c8:.2f} | {t.rss_mib:.0f} "

@@ -59,6 +59,11 @@ def test_triton_statistics_give_time_outside_the_networks() -> None:
     assert pipeline["compute_ms_per_exec"] == pytest.approx(50) and pipeline["compute_ms_per_item"] == 25
     assert pipeline["outside_models_ms_per_image"] == pytest.approx((100 - 30 - 50) / 4)
     assert rows["face_embedder"]["request_ms"] == pytest.approx(25)
+    # the in_process layout: the networks run inside face_pipeline, the two models are never called,
+    # so there is no split (not the pipeline's whole time passed off as its time outside the networks)
+    idle = {**after, "face_detector": zero, "face_embedder": zero}
+    split = statistics_delta({name: zero for name in after}, idle)["face_pipeline"]
+    assert "outside_models_ms_per_image" not in split
 
 
 def test_stage_split_times_the_real_pipeline(photos: dict[str, Path], cpu_repository: Path) -> None:

@@ -83,7 +83,9 @@ def statistics_delta(before: Mapping[str, Mapping[str, float]], after: Mapping[s
             "compute_ms_per_exec": v["exec_compute_ns"] / executions / 1e6,
             "compute_ms_per_item": v["exec_compute_ns"] / items / 1e6,
         }
-    if {"face_pipeline", "face_detector", "face_embedder"} <= d.keys():
+    networks_called = {"face_detector", "face_embedder"} <= d.keys() and (
+        d["face_detector"]["requests"] + d["face_embedder"]["requests"] > 0)  # not in the in_process layout
+    if "face_pipeline" in d and networks_called:
         pipeline, det, emb = d["face_pipeline"], d["face_detector"], d["face_embedder"]
         images = max(pipeline["items"], 1.0)
         rows["face_pipeline"]["models_ms_per_image"] = (det["request_ns"] + emb["request_ns"]) / images / 1e6
