@@ -105,6 +105,10 @@ DIMENSIONS: dict[str, dict[str, Mutation]] = {
         "pipeline delay 0.5 ms": _batching("pipeline", queue_delay_us=500, preferred=(4, 8)),
         "pipeline delay 0": _batching("pipeline", queue_delay_us=0, preferred=(2, 4, 8)),
         "pipeline delay 5 ms": _batching("pipeline", queue_delay_us=5000, preferred=(8,)),
+        # smaller batches: OpenVINO keeps buffers for the largest batch a network has seen, per instance
+        "small batches: pipeline max 2, embedder max 16": lambda t: _batching(
+            "embedder", max_batch_size=16, preferred=(16,))(_batching(
+                "pipeline", max_batch_size=2, preferred=(2,))(t)),
     },
     "model queue delay": {
         "detector/embedder delay 0": lambda t: _model_delay(t, 0),

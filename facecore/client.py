@@ -126,10 +126,20 @@ class PipelineClient:
             raise PipelineError.from_exception(exc) from exc
         return embedder_from_config(config)
 
+    def max_batch(self, model: str) -> int:
+        """``model``'s ``max_batch_size`` as the server reports it (0: no batch dimension)."""
+        try:
+            config = self._client.get_model_config(model, as_json=True)["config"]
+        except InferenceServerException as exc:
+            raise PipelineError.from_exception(exc) from exc
+        return int(config.get("max_batch_size", 0))
+
     def embed_crops(self, crops: NDArray[np.uint8], spec: ModelSpec, batch: int = 32) -> NDArray[np.float32]:
-        """Aligned BGR crops [N, S, S, 3] -> L2-normalized embeddings, through ``face_embedder``."""
+        """Aligned BGR crops [N, S, S, 3] -> L2-normalized embeddings, through ``face_embedder``, in calls of
+        ``batch`` crops at most, and never more than the served model's ``max_batch_size``."""
         parts = []
         output = spec.output_names[0]
+        batch = min(batch, self.max_batch(EMBEDDER_MODEL) or batch)
         for start in range(0, len(crops), batch):
             tensor = to_tensor(crops[start : start + batch], spec.swap_rb, spec.mean, spec.std)
             try:

@@ -164,3 +164,18 @@ def test_in_process_layout_answers_like_the_bls_layout(
             if len(got):
                 assert np.min(np.sum(got.embeddings * expected.embeddings, axis=1)) > 0.9999
         local.close()
+
+
+def test_embedding_more_crops_than_the_embedder_takes_at_once(
+    pipeline: PipelineClient, photo_bytes: dict[str, bytes]
+) -> None:
+    """Re-embedding sends the crops in calls the served embedder accepts: more crops than its
+    max_batch_size (16 in the CPU default) in one call would be refused."""
+    faces = pipeline.infer(photo_bytes["t1.jpg"], return_crops=True)
+    crops = np.concatenate([faces.crops] * 7)
+    spec = pipeline.embedder()
+    assert 0 < pipeline.max_batch("face_embedder") < len(crops)
+    vectors = pipeline.embed_crops(crops, spec)
+    assert vectors.shape == (len(crops), spec.embedding_dim)
+    same = np.sum(vectors.reshape(7, len(faces), -1) * faces.embeddings, axis=2)
+    assert np.min(same) > 0.999
