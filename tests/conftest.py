@@ -74,8 +74,9 @@ def pipeline(triton: TritonServer) -> Iterator[PipelineClient]:
 def broken_triton(cpu_repository: Path, default_models: DefaultModels,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """A real Triton whose models all load and report ready, but whose face_pipeline fails every
-    request with faces: face_embedder serves the detector's ONNX file (its input is not ``data``) with
-    ONNX Runtime, without the warm-up that would have refused it at load time."""
+    request with faces: face_embedder (and, in the in_process layout, face_pipeline's own embedder) serves
+    the detector's ONNX file (its input is not ``data``) with ONNX Runtime, without the warm-up that would
+    have refused it at load time."""
     import shutil
 
     from google.protobuf import text_format
@@ -91,6 +92,12 @@ def broken_triton(cpu_repository: Path, default_models: DefaultModels,
     # ONNX Runtime opens any ONNX file and fails at run time (OpenVINO would refuse the outputs at load)
     config.parameters["runtime"].string_value = "onnxruntime"
     (embedder / "config.pbtxt").write_text(text_format.MessageToString(config))
+    pipeline = repository / "face_pipeline"
+    config = text_format.Parse((pipeline / "config.pbtxt").read_text(), mc.ModelConfig())
+    if config.parameters["layout"].string_value == "in_process":  # it runs its own copy of the embedder
+        shutil.copyfile(default_models.detector_file, pipeline / "1" / "embedder.onnx")
+        config.parameters["embedder_runtime"].string_value = "onnxruntime"
+        (pipeline / "config.pbtxt").write_text(text_format.MessageToString(config))
     server = TritonServer(repository, TritonPorts(*free_ports(3)), log_file=root / "tritonserver.log")
     with server:
         yield server

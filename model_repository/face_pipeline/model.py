@@ -137,14 +137,20 @@ class TritonPythonModel:
 
     def detect(self, batch: NetworkInput) -> tuple[FloatArray, FloatArray, FloatArray]:
         if self.local is not None:
-            return self.local[0](batch)
+            try:
+                return self.local[0](batch)
+            except Exception as exc:  # named like a failed BLS call to the model
+                raise RuntimeError(f"{self.settings.detector_model} (in face_pipeline): {exc}") from exc
         name, outputs = self.detector_io
         loc, conf, landms = bls(self.settings.detector_model, {name: batch}, outputs)
         return loc, conf, landms
 
     def embed(self, batch: NetworkInput) -> FloatArray:
         if self.local is not None:
-            return self.local[1](batch)
+            try:
+                return self.local[1](batch)
+            except Exception as exc:
+                raise RuntimeError(f"{self.settings.embedder_model} (in face_pipeline): {exc}") from exc
         name, outputs = self.embedder_io
         (out,) = bls(self.settings.embedder_model, {name: batch}, outputs)
         return out
