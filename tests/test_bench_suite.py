@@ -291,7 +291,12 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     outside_run = [row for row in targets if "t1.jpg" in row[0] or "at concurrency 16 >=" in row[0]]
     assert len(outside_run) == 8 and all(row[2:] == ["**not measured**", "not part of this run"]
                                          for row in outside_run), outside_run
-    assert {row[2] for row in targets if row not in outside_run} <= {"**pass**", "**falls short**"}, targets
+    # the in_process layout (the CPU default) runs the networks inside face_pipeline: Triton's statistics
+    # cannot split its own time from theirs, and the report says so instead of a figure
+    in_layout = [row for row in targets if row[3] == report_text.WHY_IN_PROCESS_LAYOUT]
+    assert all(row[2] == "**not measured**" for row in in_layout)
+    measured = [row for row in targets if row not in outside_run and row not in in_layout]
+    assert {row[2] for row in measured} <= {"**pass**", "**falls short**"}, targets
     assert all(row[3] != "—" for row in targets if row[2] == "**falls short**")  # a reason when short
 
     assert any("1.6x the plain naive baseline" in name and "naive plain /embed" in measured

@@ -88,8 +88,9 @@ def pipeline_model(fake_pb_utils: ModuleType, cpu_repository: Path, default_mode
     fake_pb_utils.BLS_HANDLERS.update(face_detector=run_detector, face_embedder=run_embedder)
     module = load_model_module(PIPELINE_SOURCE, "face_pipeline_model")
     model = module.TritonPythonModel()
+    # the BLS layout (its calls answered by the handlers above), whatever layout the CPU default has
     config = with_parameters(_config(cpu_repository, "face_pipeline"),
-                             dynamic_input=str(detector_mode == "dynamic"))
+                             dynamic_input=str(detector_mode == "dynamic"), layout="bls")
     model.initialize({"model_config": config, "model_version": "1"})
     return model
 
@@ -227,7 +228,8 @@ def test_reduced_decode_reports_original_pixels(
     module = load_model_module(PIPELINE_SOURCE, "face_pipeline_reduced")
     reduced_model = module.TritonPythonModel()
     reduced_model.initialize({"model_config": with_parameters(_config(cpu_repository, "face_pipeline"),
-                                                              decode_min_side="1000"), "model_version": "1"})
+                                                              decode_min_side="1000", layout="bls"),
+                                 "model_version": "1"})
     reduced = reduced_model.execute([request(photo_bytes["obama3.jpg"])])[0]
     assert reduced.output("IMAGE_SIZE").tolist() == full.output("IMAGE_SIZE").tolist() == [[1434, 2333]]
     np.testing.assert_allclose(reduced.output("BOXES"), full.output("BOXES"), atol=12)
