@@ -10,7 +10,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,13 +32,34 @@ CHANGE_LOG_LOCK = 0x6661636572
 MIGRATION_LOCK = 0x6661636573
 
 
+#: How long a connection waits for other connections' locks (SQLite's busy timeout, and the WAL switch).
+SQLITE_BUSY_S = 30.0
+
+
+def _switch_to_wal(cursor: sqlite3.Cursor) -> None:
+    """``journal_mode=WAL``, waiting for other connections. On a fresh (rollback-journal) database the
+    switch fails at once with "database is locked" while another connection holds a write lock:
+    SQLite does not call the busy handler there, as waiting could deadlock. Processes starting together
+    on a new file (replicas migrating it) meet exactly that, so the switch is retried until the busy
+    timeout; once the file is in WAL mode (persistent) the pragma takes no lock."""
+    deadline = time.monotonic() + SQLITE_BUSY_S
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None  # let SQLAlchemy's "begin" event emit BEGIN itself
     cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_S * 1000)}")
     cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA journal_mode=WAL")
+    _switch_to_wal(cursor)
     cursor.execute("PRAGMA synchronous=NORMAL")  # durable against process crashes in WAL mode
-    cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
 
 
@@ -48,7 +71,7 @@ def _sqlite_begin(connection: Any) -> None:
 def create_db_engine(url: str, **kwargs: Any) -> Engine:
     """An engine with the pragmas/pooling this project relies on."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **kwargs)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_S}, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine

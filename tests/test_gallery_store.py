@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -394,6 +396,29 @@ def test_concurrent_writers_never_hide_a_change_from_a_poller(people: GallerySto
     assert len(everything) == 4 * 12 * 2 + 4 * 4
     assert seen == everything  # nothing skipped, nothing out of order
 
+
+
+def test_a_new_sqlite_file_waits_for_a_writer_before_switching_to_wal(tmp_path: Path) -> None:
+    """Replicas starting together on a new file: one holds a write lock in the rollback journal mode a
+    new file starts in, and the next connection's switch to WAL must wait for it, not fail with
+    "database is locked" (SQLite skips the busy handler there). Failed before the switch was retried."""
+    path = tmp_path / "new.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("CREATE TABLE first_writer (x INTEGER)")
+    timer = threading.Timer(0.5, holder.execute, ("COMMIT",))
+    timer.start()
+    engine = create_db_engine(f"sqlite:///{path}")
+    try:
+        started = time.monotonic()
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert connection.exec_driver_sql("SELECT count(*) FROM first_writer").scalar() == 0
+        assert time.monotonic() - started >= 0.3  # it waited for the writer
+    finally:
+        timer.join()
+        holder.close()
+        engine.dispose()
 
 
 MIGRATE = "import sys; from gallery import db; db.migrate(db.create_db_engine(sys.argv[1]))"
