@@ -71,7 +71,8 @@ def _sqlite_begin(connection: Any) -> None:
 def create_db_engine(url: str, **kwargs: Any) -> Engine:
     """An engine with the pragmas/pooling this project relies on."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_S}, **kwargs)
+        arguments = {"check_same_thread": False, "timeout": SQLITE_BUSY_S}
+        engine = create_engine(url, connect_args=arguments, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
