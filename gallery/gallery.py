@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -221,12 +222,17 @@ class Gallery:
                 continue  # built lazily from the database when first used
             added = [c.face_id for c in items if c.op is ChangeOp.ADD]
             vectors = self.store.vectors(added, entry.info.dimension) if added else {}
-            for change in items:  # in seq order: an add then a remove of the same face ends removed
-                if change.op is ChangeOp.ADD and change.face_id in vectors:
-                    entry.index.add(np.array([change.face_id]), np.array([change.identity_id]),
-                                    vectors[change.face_id][None])
-                elif change.op is ChangeOp.REMOVE:
-                    entry.index.remove(np.array([change.face_id]))
+            # in seq order, a run of adds or of removes at a time: an add then a remove of the same
+            # face ends removed (a face whose row is gone, removed later in the log, is not added)
+            for op, run in groupby(items, key=lambda c: c.op):
+                if op is ChangeOp.ADD:
+                    adds = [c for c in run if c.face_id in vectors]
+                    if adds:
+                        entry.index.add(np.array([c.face_id for c in adds]),
+                                        np.array([c.identity_id for c in adds]),
+                                        np.stack([vectors[c.face_id] for c in adds]))
+                elif op is ChangeOp.REMOVE:
+                    entry.index.remove(np.array([c.face_id for c in run]))
                     self._erased.add(entry.info.name)
 
     # --- followers (replicas in other processes) ---------------------------------------------

@@ -5,16 +5,18 @@ dropped or re-embedded collection never meets its successor's data), with the fa
 the identity id as a scalar field and the embedding under an inner-product index (``FLAT`` by default:
 exact, so results equal FAISS exact search). ``<prefix>_state`` records the change-log position applied
 to Milvus (key 0) and, per collection, the model and dimension it was built for. Searches and queries
-use Strong consistency: a search after an enroll sees it. Erasure is delete, flush, then a compaction
-(waited for) so that the deleted rows leave the stored segments; a server without compaction
-(milvus-lite answers UNIMPLEMENTED) is logged, and the rows are then only deleted, not rewritten.
+use Strong consistency, and every write is confirmed by reading it back before it counts as done (see
+``VISIBLE_S``): a search after an enroll sees it, and a delete is never lost. Erasure is delete, flush,
+then a compaction (waited for) so that the deleted rows leave the stored segments; a server without
+compaction (milvus-lite answers UNIMPLEMENTED) is logged, and the rows are then only deleted, not
+rewritten.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,27 @@ STRONG = "Strong"
 MAX_TOPK = 16_384
 INSERT_BATCH = 5_000
 _POSITION = 0  # the state row holding the applied change-log position
+#: How long a write may take to show in Strong reads before it is an error. Milvus standalone and
+#: cluster show it at once. milvus-lite 2.4 does not: it stamps inserted rows ``(ms << 18) + n``, n the
+#: rows it has inserted since it started, and reads and deletes ``ms << 18``, so after a million rows
+#: its inserts lie about 4 ms in the future: reads do not find them yet, and a delete sent before that
+#: moment is lost for good (the row comes back). Hence: an insert is waited for until it reads back,
+#: and a delete is repeated until the rows are gone.
+VISIBLE_S = 30.0
+#: Rows per ``face_id in [...]`` read-back query.
+READ_BACK = 4_096
+
+
+def settle(pending: Callable[[], int], again: Callable[[], None], what: str) -> None:
+    """Wait until ``pending()`` (rows not yet as written) is 0, calling ``again()`` after each pause."""
+    deadline = time.monotonic() + VISIBLE_S
+    pause = 0.002
+    while left := pending():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Milvus did not show {what} within {VISIBLE_S:.0f} s ({left} rows pending)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+        again()
 
 
 class MilvusIndex:
@@ -73,10 +96,38 @@ class MilvusIndex:
                     for f, i, v in zip(face_ids[start:stop], identity_ids[start:stop], vectors[start:stop],
                                        strict=True)]
             write(self.name, rows)
+        wanted = [int(f) for f in face_ids]
+        if fresh:  # a new collection holds these rows only: counting them is enough
+            settle(lambda: max(0, len(wanted) - len(self)), lambda: None,
+                   f"{len(wanted)} rows inserted into {self.name}")
+        else:
+            settle(lambda: len(set(wanted) - self.present(wanted)), lambda: None,
+                   f"{len(wanted)} rows written to {self.name}")
 
     def remove(self, face_ids: Ids) -> None:
-        if len(face_ids):
-            self.client.delete(self.name, ids=[int(f) for f in face_ids])
+        doomed = [int(f) for f in face_ids]
+        if not doomed:
+            return
+        self.client.delete(self.name, ids=doomed)
+        left = doomed
+
+        def pending() -> int:
+            nonlocal left
+            left = sorted(self.present(doomed))
+            return len(left)
+
+        settle(pending, lambda: self.client.delete(self.name, ids=left),
+               f"the deletion of {len(doomed)} rows from {self.name}")
+
+    def present(self, face_ids: list[int]) -> set[int]:
+        """Which of ``face_ids`` a Strong read finds."""
+        found: set[int] = set()
+        for start in range(0, len(face_ids), READ_BACK):
+            chunk = face_ids[start:start + READ_BACK]
+            rows = self.client.query(self.name, filter=f"face_id in {chunk}", output_fields=["face_id"],
+                                     consistency_level=STRONG, limit=len(chunk))
+            found |= {int(row["face_id"]) for row in rows}
+        return found
 
     def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids, Ids]:
         limit = max(1, min(k, MAX_TOPK))
@@ -142,8 +193,24 @@ class MilvusEngine:
         return rows[0] if rows else None
 
     def _write_state(self, key: int, seq: int, model: str = "", dimension: int = 0) -> None:
-        self.client.upsert(self._state, [{"key": int(key), "seq": int(seq), "model": model,
-                                          "dimension": int(dimension), "unused": [0.0, 0.0]}])
+        wanted = {"seq": int(seq), "model": model, "dimension": int(dimension)}
+
+        def write() -> None:
+            self.client.upsert(self._state, [{"key": int(key), **wanted, "unused": [0.0, 0.0]}])
+
+        def pending() -> int:
+            row = self._state_row(key)
+            return 0 if row is not None and {k: row[k] for k in wanted} == wanted else 1
+
+        write()
+        settle(pending, lambda: None, f"state row {key} of {self._state}")
+
+    def _forget_state(self, key: int) -> None:
+        def delete() -> None:
+            self.client.delete(self._state, ids=[int(key)])
+
+        delete()
+        settle(lambda: int(self._state_row(key) is not None), delete, f"the deletion of state row {key}")
 
     def position(self) -> int | None:
         row = self._state_row(_POSITION)
@@ -191,7 +258,7 @@ class MilvusEngine:
         name = self.name(collection_id)
         if self.client.has_collection(name):
             self.client.drop_collection(name)
-        self.client.delete(self._state, ids=[int(collection_id)])
+        self._forget_state(collection_id)
 
     def persist(self, index: Any, info: CollectionInfo, seq: int, erased: bool) -> list[str]:
         name = self.name(info.id)

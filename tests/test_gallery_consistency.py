@@ -248,16 +248,10 @@ def kill_worker(db_url: str, snapshots: Path, seed: int, stage: str, delay: floa
 
 
 def test_sigkill_at_any_moment_converges(db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                         make_gallery: GalleryFactory, request: pytest.FixtureRequest
-                                         ) -> None:
+                                         make_gallery: GalleryFactory) -> None:
     """A writer SIGKILLed at any moment (mid-migration, mid-snapshot, mid-anything) leaves a database and
     snapshot directory (or Milvus server) from which a restarted gallery equals the database."""
     on_milvus = make_gallery.backend == "milvus"  # type: ignore[attr-defined]
-    if on_milvus:  # still run, and reported as XPASS when it passes: a known, open failure
-        request.applymarker(pytest.mark.xfail(reason=(
-            "open bug: on this 2-core AMD machine (not on the Intel one of the previous run) a gallery "
-            "restarted on milvus-lite after a SIGKILLed writer can still hold a deleted face; reproduced at "
-            "the session's first commit; see the closing note of issues 10-13"), strict=False))
     milvus: tuple[str, ...] = make_gallery.milvus if on_milvus else ()  # type: ignore[attr-defined]
     rng = np.random.default_rng(25)
     snapshots = tmp_path / "snapshots"

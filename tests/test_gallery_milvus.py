@@ -7,6 +7,9 @@ crashes, replicas) runs on both engines in tests/test_gallery_index.py and test_
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +19,7 @@ from sqlalchemy import Engine
 from facecore.settings import Settings, load_settings
 from gallery.gallery import Gallery, open_gallery
 from gallery.milvus import MilvusEngine, MilvusIndex
+from gallery.milvus_lite import MilvusLite
 from gallery.store import GalleryStore
 from tests.gallery_helpers import MODEL, OTHER_MODEL, assert_gallery_matches_db, new_faces, unit_vectors
 
@@ -179,3 +183,124 @@ def test_settings_select_the_engine(monkeypatch: pytest.MonkeyPatch, store: Gall
         gallery.engine.client.drop_collection("settings_state")  # type: ignore[attr-defined]
     monkeypatch.setenv("FACEREC_GALLERY__BACKEND", "faiss")
     assert type(open_gallery(store, load_settings(Settings)).engine).__name__ == "FaissEngine"
+
+
+# --- writes are read back: milvus-lite stamps its inserts ahead of its reads and deletes ------------
+
+#: Rows a refused insert request makes milvus-lite count: its stamps then run 5e6 / 2**18 = 19 ms ahead.
+DRIFT_ROWS = 5_000_000
+
+
+def drive_insert_stamps_forward(uri: str, rows: int) -> None:
+    """Put a milvus-lite server in the state a long-running one reaches after inserting ``rows`` rows:
+    it stamps an insert ``(ms << 18) + rows inserted so far`` and a read or a delete ``ms << 18``.
+    Inserting millions of rows takes minutes; one insert request that claims ``rows`` rows and carries
+    one is refused, but milvus-lite 2.4 counts the claimed rows before it checks them."""
+    from pymilvus import DataType, MilvusClient
+    from pymilvus.grpc_gen import milvus_pb2, schema_pb2
+
+    client = MilvusClient(uri=uri)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("key", DataType.INT64, is_primary=True)
+    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=2)
+    params = client.prepare_index_params()
+    params.add_index("vector", index_type="FLAT", metric_type="IP")
+    client.create_collection("drift", schema=schema, index_params=params)
+    request = milvus_pb2.InsertRequest(collection_name="drift", num_rows=rows)
+    key = request.fields_data.add(field_name="key", type=schema_pb2.DataType.Int64)
+    key.scalars.long_data.data.append(1)
+    vector = request.fields_data.add(field_name="vector", type=schema_pb2.DataType.FloatVector)
+    vector.vectors.dim = 2
+    vector.vectors.float_vector.data.extend([0.5, 0.5])
+    answer = client._get_connection()._stub.Insert(request)
+    assert "num_rows" in answer.status.reason, answer.status  # refused, after counting
+    client.drop_collection("drift")
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def drifted_milvus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A milvus-lite server whose inserts are stamped ~19 ms ahead of its reads and deletes; the test
+    checks first that a raw insert is indeed not read back at once (else the condition is not met)."""
+    with MilvusLite(tmp_path_factory.mktemp("drifted") / "milvus.db") as server:
+        drive_insert_stamps_forward(server.uri, DRIFT_ROWS)
+        yield server.uri
+
+
+def test_a_drifted_milvus_lite_hides_fresh_inserts_and_loses_early_deletes(drifted_milvus: str) -> None:
+    """The server condition the engine is built for, shown with the plain client: the row inserted is
+    not read back at once, and a delete sent at once is lost (the row shows later)."""
+    from pymilvus import DataType, MilvusClient
+
+    client = MilvusClient(uri=drifted_milvus)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("face_id", DataType.INT64, is_primary=True)
+    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=2)
+    params = client.prepare_index_params()
+    params.add_index("vector", index_type="FLAT", metric_type="IP")
+    client.create_collection("raw", schema=schema, index_params=params, consistency_level="Strong")
+
+    def rows() -> list[int]:
+        found = client.query("raw", filter="face_id >= 0", output_fields=["face_id"], limit=10,
+                             consistency_level="Strong")
+        return sorted(int(row["face_id"]) for row in found)
+
+    client.insert("raw", [{"face_id": 7, "vector": [0.1, 0.2]}, {"face_id": 8, "vector": [0.1, 0.2]}])
+    assert rows() == []
+    client.delete("raw", ids=[7])
+    time.sleep(0.2)
+    assert rows() == [7, 8]  # the delete is lost
+    client.drop_collection("raw")
+    client.close()
+
+
+def test_writes_are_read_back_on_a_drifted_milvus_lite(store: GalleryStore, engine: Engine, tmp_path: Path,
+                                                       drifted_milvus: str) -> None:
+    """Enrolled faces are found by the search that follows, erased ones never come back, and a restart
+    opens what was built (its state row read back): the CI failures of erasure and SIGKILL tests on
+    milvus-lite. Failed before writes were read back (the erased faces came back, the search was empty)."""
+    rng = np.random.default_rng(6)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    enroll(store, "c", 4, rng)
+    milvus = MilvusEngine(drifted_milvus, prefix="drift")
+    gallery = Gallery(store, engine=milvus)
+    try:
+        gallery.load()
+        _, _, enrolled = store.collection_vectors(store.get_collection("c").id, DIM)
+        probe = enrolled[:1]
+        assert gallery.search("c", probe, k=1)[0].candidates, "the built collection is not searchable"
+        faces = new_faces(unit_vectors(rng, 3, DIM), tag="late")
+        _, stored = store.add_faces("c", "late", faces, MODEL, create=("Late", {}))
+        erased = store.delete_identity("c", "p1")  # an erasure right behind an enrollment
+        gallery.sync()
+        late = np.stack(list(store.vectors([f.id for f in stored], DIM).values()))
+        found = gallery.search("c", late, k=1)
+        assert all(r.candidates and r.candidates[0].external_id == "late" for r in found)
+        for pause in (0.0, 0.1):
+            time.sleep(pause)
+            assert not gallery.face_ids("c") & set(erased)
+        assert_gallery_matches_db(gallery, engine, "c", DIM)
+        reopened = Gallery(store, engine=MilvusEngine(drifted_milvus, prefix="drift"))
+        reopened.load()
+        assert isinstance(reopened._entry("c").index, MilvusIndex)
+        assert_gallery_matches_db(reopened, engine, "c", DIM)
+    finally:
+        milvus.prune(set())
+        milvus.client.drop_collection("drift_state")
+
+
+class NeverDeletingClient:
+    """A server whose deletes never take: the engine must give up with a clear error, not hang."""
+
+    def delete(self, name: str, ids: list[int]) -> None:
+        pass
+
+    def query(self, name: str, filter: str, **_: Any) -> list[dict[str, int]]:
+        return [{"face_id": 3}]
+
+
+def test_a_delete_that_never_shows_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gallery.milvus.VISIBLE_S", 0.05)
+    index = MilvusIndex(NeverDeletingClient(), "facerec_c1", DIM, {})
+    with pytest.raises(TimeoutError, match="deletion of 1 rows from facerec_c1 within"):
+        index.remove(np.array([3]))
