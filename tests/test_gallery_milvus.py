@@ -191,21 +191,28 @@ def test_settings_select_the_engine(monkeypatch: pytest.MonkeyPatch, store: Gall
 DRIFT_ROWS = 5_000_000
 
 
+def tiny_collection(client: Any, name: str, key: str) -> None:
+    """A collection of an int64 primary key ``key`` and a 2-d vector, Strong consistency."""
+    from pymilvus import DataType
+
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field(key, DataType.INT64, is_primary=True)
+    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=2)
+    params = client.prepare_index_params()
+    params.add_index("vector", index_type="FLAT", metric_type="IP")
+    client.create_collection(name, schema=schema, index_params=params, consistency_level="Strong")
+
+
 def drive_insert_stamps_forward(uri: str, rows: int) -> None:
     """Put a milvus-lite server in the state a long-running one reaches after inserting ``rows`` rows:
     it stamps an insert ``(ms << 18) + rows inserted so far`` and a read or a delete ``ms << 18``.
     Inserting millions of rows takes minutes; one insert request that claims ``rows`` rows and carries
     one is refused, but milvus-lite 2.4 counts the claimed rows before it checks them."""
-    from pymilvus import DataType, MilvusClient
+    from pymilvus import MilvusClient
     from pymilvus.grpc_gen import milvus_pb2, schema_pb2
 
     client = MilvusClient(uri=uri)
-    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
-    schema.add_field("key", DataType.INT64, is_primary=True)
-    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=2)
-    params = client.prepare_index_params()
-    params.add_index("vector", index_type="FLAT", metric_type="IP")
-    client.create_collection("drift", schema=schema, index_params=params)
+    tiny_collection(client, "drift", "key")
     request = milvus_pb2.InsertRequest(collection_name="drift", num_rows=rows)
     key = request.fields_data.add(field_name="key", type=schema_pb2.DataType.Int64)
     key.scalars.long_data.data.append(1)
@@ -220,8 +227,8 @@ def drive_insert_stamps_forward(uri: str, rows: int) -> None:
 
 @pytest.fixture(scope="module")
 def drifted_milvus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A milvus-lite server whose inserts are stamped ~19 ms ahead of its reads and deletes; the test
-    checks first that a raw insert is indeed not read back at once (else the condition is not met)."""
+    """A milvus-lite server whose inserts are stamped ~19 ms ahead of its reads and deletes (the next
+    test shows the condition with the plain client)."""
     with MilvusLite(tmp_path_factory.mktemp("drifted") / "milvus.db") as server:
         drive_insert_stamps_forward(server.uri, DRIFT_ROWS)
         yield server.uri
@@ -230,15 +237,10 @@ def drifted_milvus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_a_drifted_milvus_lite_hides_fresh_inserts_and_loses_early_deletes(drifted_milvus: str) -> None:
     """The server condition the engine is built for, shown with the plain client: the row inserted is
     not read back at once, and a delete sent at once is lost (the row shows later)."""
-    from pymilvus import DataType, MilvusClient
+    from pymilvus import MilvusClient
 
     client = MilvusClient(uri=drifted_milvus)
-    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
-    schema.add_field("face_id", DataType.INT64, is_primary=True)
-    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=2)
-    params = client.prepare_index_params()
-    params.add_index("vector", index_type="FLAT", metric_type="IP")
-    client.create_collection("raw", schema=schema, index_params=params, consistency_level="Strong")
+    tiny_collection(client, "raw", "face_id")
 
     def rows() -> list[int]:
         found = client.query("raw", filter="face_id >= 0", output_fields=["face_id"], limit=10,
