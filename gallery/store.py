@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -21,6 +21,10 @@ from gallery.db import Database
 from gallery.embeddings import decode_vector, encode_vector, validate_embeddings
 from gallery.errors import Conflict, CropsMissing, ModelMismatch, NotFound
 from gallery.models import ChangeOp, Collection, Face, FaceChange, Identity
+
+#: Every search runs this (the labels of its candidates): built once.
+_LABELS = select(Identity.id, Identity.external_id, Identity.name).where(
+    Identity.id.in_(bindparam("ids", expanding=True)))
 
 
 @dataclass(frozen=True)
@@ -351,10 +355,7 @@ class GalleryStore:
         wanted = sorted(set(identity_ids))
         if not wanted:
             return {}
-        with self.db.read() as session:
-            rows = session.execute(select(Identity.id, Identity.external_id, Identity.name)
-                                   .where(Identity.id.in_(wanted)))
-            return {r[0]: (r[1], r[2]) for r in rows}
+        return {r[0]: (r[1], r[2]) for r in self.db.fetch(_LABELS, {"ids": wanted})}
 
     def identity_vectors(self, collection: str, external_id: str) -> NDArray[np.float32]:
         """Embeddings [N, D] of one identity's faces (for 1:1 verification)."""
