@@ -34,12 +34,14 @@ STRONG = "Strong"
 MAX_TOPK = 16_384
 INSERT_BATCH = 5_000
 _POSITION = 0  # the state row holding the applied change-log position
+_BARRIER = -1  # the state row written by barriers
 #: How long a write may take to show in Strong reads before it is an error. Milvus standalone and
 #: cluster show it at once. milvus-lite 2.4 does not: it stamps inserted rows ``(ms << 18) + n``, n the
 #: rows it has inserted since it started, and reads and deletes ``ms << 18``, so after a million rows
 #: its inserts lie about 4 ms in the future: reads do not find them yet, and a delete sent before that
 #: moment is lost for good (the row comes back). Hence: an insert is waited for until it reads back,
-#: and a delete is repeated until the rows are gone.
+#: and a delete is followed by a barrier (a write of our own, read back: every insert sent before it,
+#: by any process, now shows, as the stamps only grow) and repeated until the rows are gone.
 VISIBLE_S = 30.0
 #: Rows per ``face_id in [...]`` read-back query.
 READ_BACK = 4_096
@@ -63,9 +65,11 @@ class MilvusIndex:
     stale = False
     has_tombstones = False
 
-    def __init__(self, client: Any, name: str, dimension: int, search_params: dict[str, Any]) -> None:
+    def __init__(self, client: Any, name: str, dimension: int, search_params: dict[str, Any],
+                 barrier: Callable[[], None] = lambda: None) -> None:
         self.client, self.name, self.dimension = client, name, dimension
         self.search_params = search_params
+        self.barrier = barrier
 
     def __len__(self) -> int:
         rows = self.client.query(self.name, filter="", output_fields=["count(*)"], consistency_level=STRONG)
@@ -109,6 +113,9 @@ class MilvusIndex:
         if not doomed:
             return
         self.client.delete(self.name, ids=doomed)
+        # A version of these rows written just before (a replayed add, or one by a writer killed before
+        # its insert showed) may still lie ahead: past the barrier it shows, and a delete masks it.
+        self.barrier()
         left = doomed
 
         def pending() -> int:
@@ -222,7 +229,12 @@ class MilvusEngine:
     # --- collections ---------------------------------------------------------------------------
 
     def _index(self, info: CollectionInfo) -> MilvusIndex:
-        return MilvusIndex(self.client, self.name(info.id), info.dimension, self.search_params)
+        return MilvusIndex(self.client, self.name(info.id), info.dimension, self.search_params, self.barrier)
+
+    def barrier(self) -> None:
+        """Write a state row and wait until it reads back: every insert sent before, by any client, then
+        shows (milvus-lite's insert stamps only grow; on Milvus proper a write shows at once)."""
+        self._write_state(_BARRIER, time.time_ns())
 
     def open(self, info: CollectionInfo, identities: Faces) -> tuple[MilvusIndex, int] | None:
         row = self._state_row(info.id)

@@ -306,3 +306,57 @@ def test_a_delete_that_never_shows_is_an_error(monkeypatch: pytest.MonkeyPatch) 
     index = MilvusIndex(NeverDeletingClient(), "facerec_c1", DIM, {})
     with pytest.raises(TimeoutError, match="deletion of 1 rows from facerec_c1 within"):
         index.remove(np.array([3]))
+
+
+class StampingClient:
+    """milvus-lite 2.4's stamping rule, for the barrier: an insert is stamped ``now + drift``, a delete and
+    a read ``now``; a delete masks the versions of its keys stamped before it; ``drift`` only grows (it
+    is the rows inserted so far). Time is this fake's own clock, moved by ``sleep``."""
+
+    def __init__(self) -> None:
+        self.now, self.drift = 0.0, 5.0
+        self.versions: list[tuple[str, int, float, dict[str, Any]]] = []  # (collection, key, stamp, row)
+        self.deletes: list[tuple[str, int, float]] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds * 1000
+
+    def upsert(self, name: str, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            key = int(row.get("face_id", row.get("key", 0)))
+            self.deletes.append((name, key, self.now))
+            self.versions.append((name, key, self.now + self.drift, row))
+
+    def delete(self, name: str, ids: list[int]) -> None:
+        self.deletes.extend((name, int(key), self.now) for key in ids)
+
+    def _visible(self, name: str) -> list[tuple[int, dict[str, Any]]]:
+        return [(key, row) for n, key, stamp, row in self.versions if n == name and stamp <= self.now
+                and not any(d == name and k == key and stamp < at <= self.now for d, k, at in self.deletes)]
+
+    def query(self, name: str, filter: str, **_: Any) -> list[dict[str, Any]]:
+        field, _, value = filter.partition(" in " if " in " in filter else " == ")
+        keys = {int(v) for v in value.strip("[]").split(",") if v.strip()}
+        return [{field.strip(): key, **row} for key, row in self._visible(name) if key in keys]
+
+    def has_collection(self, name: str) -> bool:
+        return True
+
+
+def test_a_delete_waits_for_a_version_still_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer killed right after its insert (stamped ahead) and the replay of the same add: the replayed
+    version is stamped further ahead. The add returns once the first version shows; a delete then masks it
+    but not the replayed one, which shows later and stays. The barrier after the delete waits until both
+    show, and the delete is repeated. Failed before the barrier (the face came back)."""
+    client = StampingClient()
+    monkeypatch.setattr("gallery.milvus.time.sleep", client.sleep)
+    monkeypatch.setattr("gallery.milvus.time.monotonic", lambda: client.now / 1000)
+    engine = MilvusEngine("", client=client)
+    index = MilvusIndex(client, "facerec_c1", 2, {}, engine.barrier)
+    killed = {"face_id": 9, "identity_id": 1, "embedding": [0.0, 1.0]}
+    client.upsert("facerec_c1", [killed])  # the killed writer's insert, stamped ahead
+    client.drift = 40.0  # the rows inserted since: the replay is stamped further ahead
+    index.add(np.array([9]), np.array([1]), np.array([[0.0, 1.0]], np.float32))
+    index.remove(np.array([9]))
+    client.sleep(1.0)
+    assert index.present([9]) == set()
