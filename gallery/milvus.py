@@ -131,8 +131,9 @@ class MilvusIndex:
         found: set[int] = set()
         for start in range(0, len(face_ids), READ_BACK):
             chunk = face_ids[start:start + READ_BACK]
+            # room for more than one version of a row (an upsert does not mask a version still ahead)
             rows = self.client.query(self.name, filter=f"face_id in {chunk}", output_fields=["face_id"],
-                                     consistency_level=STRONG, limit=len(chunk))
+                                     consistency_level=STRONG, limit=min(MAX_TOPK, 4 * len(chunk)))
             found |= {int(row["face_id"]) for row in rows}
         return found
 

@@ -334,10 +334,11 @@ class StampingClient:
         return [(key, row) for n, key, stamp, row in self.versions if n == name and stamp <= self.now
                 and not any(d == name and k == key and stamp < at <= self.now for d, k, at in self.deletes)]
 
-    def query(self, name: str, filter: str, **_: Any) -> list[dict[str, Any]]:
+    def query(self, name: str, filter: str, limit: int = 16_384, **_: Any) -> list[dict[str, Any]]:
+        """Every visible version, in write order, up to ``limit`` rows."""
         field, _, value = filter.partition(" in " if " in " in filter else " == ")
         keys = {int(v) for v in value.strip("[]").split(",") if v.strip()}
-        return [{field.strip(): key, **row} for key, row in self._visible(name) if key in keys]
+        return [{field.strip(): key, **row} for key, row in self._visible(name) if key in keys][:limit]
 
     def has_collection(self, name: str) -> bool:
         return True
@@ -360,3 +361,17 @@ def test_a_delete_waits_for_a_version_still_ahead(monkeypatch: pytest.MonkeyPatc
     index.remove(np.array([9]))
     client.sleep(1.0)
     assert index.present([9]) == set()
+
+
+def test_two_versions_of_a_row_do_not_hide_another_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replayed add of a face whose killed writer's insert was still ahead leaves two versions of it;
+    the read-back of that add and of a second face must still find the second (failed when the
+    read-back asked for one row per face: it timed out)."""
+    client = StampingClient()
+    monkeypatch.setattr("gallery.milvus.time.sleep", client.sleep)
+    monkeypatch.setattr("gallery.milvus.time.monotonic", lambda: client.now / 1000)
+    index = MilvusIndex(client, "facerec_c1", 2, {})
+    client.upsert("facerec_c1", [{"face_id": 9, "identity_id": 1, "embedding": [0.0, 1.0]}])
+    index.add(np.array([9, 10]), np.array([1, 2]), np.array([[0.0, 1.0], [1.0, 0.0]], np.float32))
+    assert index.present([9, 10]) == {9, 10}
+    assert [row["face_id"] for row in client.query("facerec_c1", "face_id in [9, 10]")] == [9, 9, 10]
