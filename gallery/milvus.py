@@ -45,6 +45,8 @@ _BARRIER = -1  # the state row written by barriers
 VISIBLE_S = 30.0
 #: Rows per ``face_id in [...]`` read-back query.
 READ_BACK = 4_096
+#: Names tried for one collection (see ``MilvusEngine._variants``).
+NAME_VARIANTS = 8
 
 
 def settle(pending: Callable[[], int], again: Callable[[], None], what: str) -> None:
@@ -171,17 +173,52 @@ class MilvusEngine:
         self.search_params = dict(search_params or {})
         #: (collection, outcome) of each compaction asked for: "completed" or "unsupported by the server"
         self.compactions: list[tuple[str, str]] = []
-        self._state = f"{prefix}_state"
-        self._ensure_state()
+        self._state = self._ensure_state()
+
+    @staticmethod
+    def _variants(base: str) -> list[str]:
+        """``base``, then the names tried when milvus-lite cannot create an index under it: it writes the
+        index description into an SQL statement unescaped, so a name whose description holds a quote
+        (about 1 in 128 names, always the same ones) fails with "internal error" every time."""
+        return [base] + [f"{base}v{n}" for n in range(1, NAME_VARIANTS)]
+
+    def _existing(self, base: str) -> str | None:
+        present = set(self.client.list_collections())
+        return next((name for name in self._variants(base) if name in present), None)
+
+    def _create(self, base: str, schema: Any, params: Any) -> str:
+        """Create the collection under ``base`` or, where the index cannot be created, the next variant."""
+        from pymilvus.exceptions import MilvusException
+
+        for name in self._variants(base):
+            try:
+                self.client.create_collection(name, schema=schema, index_params=params,
+                                              consistency_level=STRONG)
+                return name
+            except MilvusException:
+                if not self.client.has_collection(name):
+                    raise  # not the index-description fault: the collection was not created at all
+                log.warning("Milvus could not create the index of %s (milvus-lite's unescaped index "
+                            "description?): trying another name", name)
+                self.client.drop_collection(name)
+        raise RuntimeError(f"Milvus could not create an index under any of {self._variants(base)}")
+
+    @property
+    def state_name(self) -> str:
+        return self._state
 
     def name(self, collection_id: int) -> str:
-        return f"{self.prefix}_c{collection_id}"
+        """The Milvus collection of a gallery collection: ``<prefix>_c<id>`` (or a variant of it)."""
+        base = f"{self.prefix}_c{collection_id}"
+        return self._existing(base) or base
 
     # --- state: the applied position and what each collection was built for -------------------
 
-    def _ensure_state(self) -> None:
-        if self.client.has_collection(self._state):
-            return
+    def _ensure_state(self) -> str:
+        base = f"{self.prefix}_state"
+        existing = self._existing(base)
+        if existing is not None:
+            return existing
         from pymilvus import DataType
 
         schema = self.client.create_schema(auto_id=False, enable_dynamic_field=False)
@@ -192,8 +229,7 @@ class MilvusEngine:
         schema.add_field("unused", DataType.FLOAT_VECTOR, dim=2)  # Milvus wants a vector field
         params = self.client.prepare_index_params()
         params.add_index("unused", index_type="FLAT", metric_type="L2")
-        self.client.create_collection(self._state, schema=schema, index_params=params,
-                                      consistency_level=STRONG)
+        return self._create(base, schema, params)
 
     def _state_row(self, key: int) -> dict[str, Any] | None:
         rows = self.client.query(self._state, filter=f"key == {int(key)}",
@@ -252,15 +288,14 @@ class MilvusEngine:
         from pymilvus import DataType
 
         self.forget(info.id)
-        name = self.name(info.id)
         schema = self.client.create_schema(auto_id=False, enable_dynamic_field=False)
         schema.add_field("face_id", DataType.INT64, is_primary=True)
         schema.add_field("identity_id", DataType.INT64)
         schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=info.dimension)
         params = self.client.prepare_index_params()
         params.add_index("embedding", index_type=self.index_type, metric_type="IP", params=self.index_params)
-        self.client.create_collection(name, schema=schema, index_params=params, consistency_level=STRONG)
-        index = self._index(info)
+        name = self._create(f"{self.prefix}_c{info.id}", schema, params)
+        index = MilvusIndex(self.client, name, info.dimension, self.search_params, self.barrier)
         index.add(ids, identities, vectors, fresh=True)
         self.client.flush(name)
         self._write_state(info.id, 0, info.embedding_model, info.dimension)
@@ -268,13 +303,14 @@ class MilvusEngine:
         return index
 
     def forget(self, collection_id: int) -> None:
-        name = self.name(collection_id)
-        if self.client.has_collection(name):
-            self.client.drop_collection(name)
+        present = set(self.client.list_collections())
+        for name in self._variants(f"{self.prefix}_c{collection_id}"):
+            if name in present:
+                self.client.drop_collection(name)
         self._forget_state(collection_id)
 
     def persist(self, index: Any, info: CollectionInfo, seq: int, erased: bool) -> list[str]:
-        name = self.name(info.id)
+        name = index.name if isinstance(index, MilvusIndex) else self.name(info.id)
         self.client.flush(name)
         if erased:
             self.compact(name)
@@ -304,6 +340,6 @@ class MilvusEngine:
     def prune(self, live: set[int]) -> None:
         head = f"{self.prefix}_c"
         for name in self.client.list_collections():
-            number = name.removeprefix(head)
+            number = name.removeprefix(head).split("v")[0]  # <id> or <id>v<n> (a name variant)
             if name.startswith(head) and number.isdigit() and int(number) not in live:
                 self.forget(int(number))

@@ -127,4 +127,4 @@ def make_gallery(backend: str, request: pytest.FixtureRequest) -> Iterator[Galle
     yield make
     if engines:  # leave the shared server as empty as this test found it
         engines[0].prune(set())
-        engines[0].client.drop_collection(f"{prefix}_state")
+        engines[0].client.drop_collection(engines[0].state_name)
