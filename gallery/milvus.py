@@ -207,10 +207,12 @@ class MilvusEngine:
     def state_name(self) -> str:
         return self._state
 
+    def _base(self, collection_id: int) -> str:
+        return f"{self.prefix}_c{collection_id}"
+
     def name(self, collection_id: int) -> str:
         """The Milvus collection of a gallery collection: ``<prefix>_c<id>`` (or a variant of it)."""
-        base = f"{self.prefix}_c{collection_id}"
-        return self._existing(base) or base
+        return self._existing(self._base(collection_id)) or self._base(collection_id)
 
     # --- state: the applied position and what each collection was built for -------------------
 
@@ -265,8 +267,8 @@ class MilvusEngine:
 
     # --- collections ---------------------------------------------------------------------------
 
-    def _index(self, info: CollectionInfo) -> MilvusIndex:
-        return MilvusIndex(self.client, self.name(info.id), info.dimension, self.search_params, self.barrier)
+    def _index(self, name: str, info: CollectionInfo) -> MilvusIndex:
+        return MilvusIndex(self.client, name, info.dimension, self.search_params, self.barrier)
 
     def barrier(self) -> None:
         """Write a state row and wait until it reads back: every insert sent before, by any client, then
@@ -275,14 +277,14 @@ class MilvusEngine:
 
     def open(self, info: CollectionInfo, identities: Faces) -> tuple[MilvusIndex, int] | None:
         row = self._state_row(info.id)
-        exists = self.client.has_collection(self.name(info.id))
-        if row is None or not exists or row["model"] != info.embedding_model \
+        name = self._existing(self._base(info.id))
+        if row is None or name is None or row["model"] != info.embedding_model \
                 or int(row["dimension"]) != info.dimension:
-            if exists or row is not None:
+            if name is not None or row is not None:
                 log.warning("Milvus collection %s does not match %s (%s, %d-d): rebuilding it",
-                            self.name(info.id), info.name, info.embedding_model, info.dimension)
+                            name or self._base(info.id), info.name, info.embedding_model, info.dimension)
             return None
-        return self._index(info), self.position() or 0
+        return self._index(name, info), self.position() or 0
 
     def build(self, info: CollectionInfo, ids: Ids, identities: Ids, vectors: Vectors) -> MilvusIndex:
         from pymilvus import DataType
@@ -294,8 +296,8 @@ class MilvusEngine:
         schema.add_field("embedding", DataType.FLOAT_VECTOR, dim=info.dimension)
         params = self.client.prepare_index_params()
         params.add_index("embedding", index_type=self.index_type, metric_type="IP", params=self.index_params)
-        name = self._create(f"{self.prefix}_c{info.id}", schema, params)
-        index = MilvusIndex(self.client, name, info.dimension, self.search_params, self.barrier)
+        name = self._create(self._base(info.id), schema, params)
+        index = self._index(name, info)
         index.add(ids, identities, vectors, fresh=True)
         self.client.flush(name)
         self._write_state(info.id, 0, info.embedding_model, info.dimension)
@@ -304,7 +306,7 @@ class MilvusEngine:
 
     def forget(self, collection_id: int) -> None:
         present = set(self.client.list_collections())
-        for name in self._variants(f"{self.prefix}_c{collection_id}"):
+        for name in self._variants(self._base(collection_id)):
             if name in present:
                 self.client.drop_collection(name)
         self._forget_state(collection_id)
