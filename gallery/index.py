@@ -37,6 +37,7 @@ from gallery.selection import (
     recall_lower_bound,
     select,
 )
+from gallery.threads import threads_for
 
 __all__ = ["FaceIndex", "IndexConfig", "IndexKind", "Measurement", "genuine_probes", "impostor_probes",
            "recall_at_k", "recall_lower_bound"]
@@ -140,7 +141,8 @@ class FaceIndex:
         if not self._ids:
             return np.full((len(queries), 0), -np.inf, np.float32), np.full((len(queries), 0), -1, np.int64)
         fetch = k + len(self._tombstones)
-        scores, ids = self._index.search(queries, fetch)
+        with threads_for(len(queries) * len(self._ids) * self.dimension):
+            scores, ids = self._index.search(queries, fetch)
         if self._tombstones:
             dead = np.isin(ids, np.fromiter(self._tombstones, dtype=np.int64))
             scores = np.where(dead, -np.inf, scores)

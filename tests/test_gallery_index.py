@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import faiss
 import numpy as np
 import pytest
 from numpy.typing import NDArray
@@ -19,6 +20,7 @@ from gallery.errors import InvalidEmbedding
 from gallery.gallery import Gallery, SearchResult
 from gallery.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
 from gallery.store import GalleryStore
+from gallery.threads import SMALL_WORK
 from tests.gallery_helpers import MODEL, GalleryFactory, assert_gallery_matches_db, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
@@ -154,6 +156,42 @@ def test_face_index_add_remove_search(tombstones: bool) -> None:
 
     with pytest.raises(ValueError, match="dimension"):
         index.add(np.array([10]), unit_vectors(rng, 1, DIM + 1))
+
+
+class _SeesThreads:
+    """A FAISS index stand-in recording the OpenMP thread count each search runs with."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.seen = inner, list[int]()
+
+    def search(self, queries: NDArray[np.float32], k: int) -> object:
+        self.seen.append(faiss.omp_get_max_threads())
+        return self.inner.search(queries, k)  # type: ignore[attr-defined]
+
+
+def test_a_small_search_runs_on_one_thread_and_puts_the_count_back() -> None:
+    """libgomp's idle workers spin for milliseconds after every parallel region: a one-query search of a
+    small collection runs on the calling thread alone (gallery/threads.py), a large one on FAISS's
+    threads, and the thread's own count is back after either."""
+    seen: dict[str, object] = {}
+
+    def run() -> None:
+        faiss.omp_set_num_threads(2)  # this thread's count (libgomp keeps one per thread)
+        rng = np.random.default_rng(3)
+        index = FaceIndex(DIM)
+        index.add(np.arange(1, 51), unit_vectors(rng, 50, DIM))
+        spy = _SeesThreads(index._index)
+        index._index = spy
+        index.search(unit_vectors(rng, 1, DIM), 5)
+        seen["after small"] = faiss.omp_get_max_threads()
+        many = unit_vectors(rng, SMALL_WORK // (50 * DIM) + 1, DIM)  # as much work as the limit
+        index.search(many, 5)
+        seen["searches"], seen["after large"] = spy.seen, faiss.omp_get_max_threads()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert seen == {"searches": [1, 2], "after small": 2, "after large": 2}
 
 
 def test_face_index_tombstone_search_skips_dead_neighbours() -> None:
