@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, Query, Request, Security
@@ -20,27 +20,27 @@ _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="admin o
 _bearer = HTTPBearer(auto_error=False, description="the same key as a bearer token")
 
 
-def get_settings(request: Request) -> GatewaySettings:
+async def get_settings(request: Request) -> GatewaySettings:
     settings: GatewaySettings = request.app.state.settings
     return settings
 
 
-def get_service(request: Request) -> Recognition:
+async def get_service(request: Request) -> Recognition:
     service: Recognition = request.app.state.faces
     return service
 
 
-def get_store(request: Request) -> GalleryStore:
+async def get_store(request: Request) -> GalleryStore:
     store: GalleryStore = request.app.state.store
     return store
 
 
-def get_gallery(request: Request) -> Gallery:
+async def get_gallery(request: Request) -> Gallery:
     gallery: Gallery = request.app.state.gallery
     return gallery
 
 
-def get_keys(request: Request) -> KeyStore:
+async def get_keys(request: Request) -> KeyStore:
     keys: KeyStore = request.app.state.keys
     return keys
 
@@ -105,11 +105,11 @@ async def top_k(settings: SettingsDep, k: Annotated[int, Query(ge=1, description
 TopKDep = Annotated[int, Depends(top_k)]
 
 
-def known_query(*allowed: str) -> Callable[[Request], None]:
+def known_query(*allowed: str) -> Callable[[Request], Awaitable[None]]:
     """A dependency refusing query parameters a route does not know (422), instead of ignoring them."""
     names = set(allowed)
 
-    def check(request: Request) -> None:
+    async def check(request: Request) -> None:
         unknown = sorted(set(request.query_params) - names)
         if unknown:
             errors = [{"loc": ["query", name], "msg": "unknown query parameter", "type": "extra_forbidden"}

@@ -149,7 +149,11 @@ def _image_id(image_id: str) -> int:
     return int(image_id)
 
 
-ImageId = Annotated[int, Depends(_image_id)]
+async def _path_image_id(image_id: str) -> int:
+    return _image_id(image_id)
+
+
+ImageId = Annotated[int, Depends(_path_image_id)]
 
 
 @router.delete("/recognition/faces/{image_id}", response_model=cf.CfExample,
