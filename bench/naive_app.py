@@ -9,12 +9,14 @@ its runtime with batch 1. This is the approach Triton exists to beat.
 Three variants (``NAIVE_VARIANT``):
 
 - ``served``: exactly what ``face_pipeline`` serves, work reductions included (detector input sized to
-  each image, reduced JPEG decode, the uint8 detector, SFace with its PReLU rewritten, the served runtime
-  and precisions): the same work as the stack, so comparing with it measures serving overhead;
+  each image, reduced JPEG decode through TurboJPEG, the uint8 detector, SFace with its PReLU rewritten,
+  the served runtime and precisions): the same work as the stack, so comparing with it measures serving
+  overhead;
 - ``served-onnxruntime``: the same files and settings on ONNX Runtime f32;
 - ``plain``: the obvious deployment of the same networks: ONNX Runtime f32, every image letterboxed to the
-  fixed detector input (640x640, ``dynamic_input=False``), decoded at full size, the original float NCHW
-  detector, and an embedder file that still has its PRelu nodes (the app refuses to start otherwise).
+  fixed detector input (640x640, ``dynamic_input=False``), decoded at full size by OpenCV's ``imdecode``,
+  the original float NCHW detector, and an embedder file that still has its PRelu nodes (the app refuses
+  to start otherwise).
 
 Configuration (environment; ``bench/naive.py`` sets it and runs the app with uvicorn):
 
@@ -133,7 +135,8 @@ def embed(request: Request, image: Annotated[UploadFile, File()]) -> dict[str, A
     settings = models.settings
     data = image.file.read()
     try:
-        decoded = decode_image(data, settings.max_pixels, settings.decode_min_side)
+        decoded = decode_image(data, settings.max_pixels, settings.decode_min_side,
+                               fast_jpeg=models.variant != "plain")  # plain: OpenCV's imdecode
     except ImageError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
     sizes = [original_size(data, decoded)] if settings.decode_min_side else None

@@ -130,9 +130,9 @@ target uses it.
 alone; against {plain}, the work reductions alone.
 - **{plain}** runs the same two networks the obvious way: ONNX Runtime f32, the original float NCHW \
 detector file fed through `to_tensor`, every image letterboxed to the fixed 640x640 detector input \
-(`dynamic_input=False`, full-size decode) and SFace converted from the pinned int8 file without the PReLU \
-rewrite (`bench/plain.py`).{check} The >= 1.6x / 2.0x targets use it: beat the plain approach by doing \
-less work on a faster runtime, with unchanged decisions.
+(`dynamic_input=False`, full-size decode by OpenCV's `imdecode`) and SFace converted from the pinned \
+int8 file without the PReLU rewrite (`bench/plain.py`).{check} The >= 1.6x / 2.0x targets use it: beat \
+the plain approach by doing less work on a faster runtime, with unchanged decisions.
 
 The work reduction has several sources, visible in the ceiling tables (the *onnxruntime* rows against the \
 *PReLU embedder* rows, and the embedder sweeps) beside the runtime's own (the served rows against the \
@@ -141,7 +141,9 @@ The work reduction has several sources, visible in the ceiling tables (the *onnx
 - **detector input sized to the image**, large JPEGs decoded at a reduced size: fewer pixels per \
 image{detector}.
 - **the PReLU rewrite** (`Relu(x) - a * Relu(-x)`, exact; ONNX Runtime runs SFace's per-channel PRelu as \
-a slow broadcast with layout reorders around it): fewer embedder ms per face{embedder}."""
+a slow broadcast with layout reorders around it): fewer embedder ms per face{embedder}.
+- **JPEG decode through TurboJPEG** (`facecore/jpeg.py`: libjpeg-turbo, as inside OpenCV, the same \
+pixels, without `imdecode`'s overhead around it) instead of OpenCV's `imdecode`."""
 PLAIN_CHECK = " {check}."
 MEASURED_DETAIL = "; {text}"
 DETECTOR_PIXELS = "{label} {w}x{h} instead of {pw}x{ph}: {fewer:.0%} fewer pixels"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 from pathlib import Path
 
 import cv2
@@ -568,6 +569,76 @@ def test_decode_applies_exif_orientation() -> None:
     assert decoded.shape == (60, 40, 3)
     stored = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
     np.testing.assert_array_equal(decoded, cv2.rotate(stored, cv2.ROTATE_90_CLOCKWISE))
+
+
+def _opencv(data: bytes, flags: int = cv2.IMREAD_COLOR) -> NDArray[np.uint8]:
+    decoded = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+    assert decoded is not None
+    return np.asarray(decoded, np.uint8)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_turbojpeg_decode_equals_opencv_for_every_exif_orientation(orientation: int) -> None:
+    """JPEGs decode through TurboJPEG (facecore/jpeg.py); the pixels, EXIF orientation applied, are
+    OpenCV's exactly, in both byte orders."""
+    from facecore import jpeg
+
+    image = cv2.GaussianBlur(sample_image(48, 80), (5, 5), 1.5)
+    for order in (">", "<"):  # Motorola and Intel byte order
+        data = pil_bytes(image, "JPEG", exif=_exif(orientation, order), quality=95)
+        assert jpeg.exif_orientation(data) == orientation
+        fast = jpeg.decode(data, 80, 48)
+        assert fast is not None
+        np.testing.assert_array_equal(fast, _opencv(data))
+        np.testing.assert_array_equal(decode_image(data, 10**6), _opencv(data))
+
+
+def _exif(orientation: int, order: str) -> bytes:
+    """An EXIF block whose IFD0 holds a date and the orientation (a SHORT), in this byte order."""
+    header = (b"MM" if order == ">" else b"II") + struct.pack(order + "HI", 42, 8)
+    date = struct.pack(order + "HHII", 0x0132, 2, 20, 8 + 2 + 2 * 12 + 4)  # ASCII, stored after the IFD
+    turn = struct.pack(order + "HHIHH", 0x0112, 3, 1, orientation, 0)
+    return b"Exif\x00\x00" + header + struct.pack(order + "H", 2) + date + turn + b"\x00" * 4 \
+        + b"2026:12:01 00:00:00\x00"
+
+
+def test_turbojpeg_reduced_decode_equals_opencv(photos: dict[str, Path]) -> None:
+    from facecore import jpeg
+
+    jpegs = [path for path in photos.values() if path.suffix == ".jpg"]
+    assert len(jpegs) >= 3
+    for path in jpegs:
+        data = path.read_bytes()
+        _, width, height = image_header(data, 10**8)
+        for factor, flags in ((1, cv2.IMREAD_COLOR), (2, cv2.IMREAD_REDUCED_COLOR_2),
+                              (4, cv2.IMREAD_REDUCED_COLOR_4), (8, cv2.IMREAD_REDUCED_COLOR_8)):
+            fast = jpeg.decode(data, width, height, factor)
+            assert fast is not None, (path.name, factor)
+            np.testing.assert_array_equal(fast, _opencv(data, flags), err_msg=f"{path.name} 1/{factor}")
+
+
+def test_jpegs_turbojpeg_cannot_read_fall_back_to_opencv(photos: dict[str, Path]) -> None:
+    """A damaged file or unreadable EXIF: None from the fast path, and decode_image gives what
+    OpenCV gives (pixels or the same ImageError) as before."""
+    from facecore import jpeg
+
+    data = photos["obama.jpg"].read_bytes()
+    _, width, height = image_header(data, 10**8)
+    cut = data[: len(data) // 2]
+    assert jpeg.decode(cut, width, height) is None
+    with pytest.raises(ImageError, match="corrupt"):
+        decode_image(cut, 10**8)
+
+    cmyk = io.BytesIO()  # TurboJPEG converts CMYK as OpenCV does
+    Image.fromarray(sample_image()).convert("CMYK").save(cmyk, "JPEG", quality=95)
+    np.testing.assert_array_equal(decode_image(cmyk.getvalue(), 10**6), _opencv(cmyk.getvalue()))
+
+    good = pil_bytes(sample_image(), "JPEG", exif=_exif(6, "<"), quality=95)
+    start = good.index(b"Exif\x00\x00") + 6
+    bad = good[:start] + b"XX" + good[start + 2:]  # not a TIFF header
+    assert jpeg.exif_orientation(bad) is None and jpeg.decode(bad, 60, 40) is None
+    np.testing.assert_array_equal(decode_image(bad, 10**6), _opencv(bad))
+    assert decode_image(good, 10**6, fast_jpeg=False).shape == decode_image(good, 10**6).shape == (60, 40, 3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""JPEG decoding through libjpeg-turbo's TurboJPEG API (``simplejpeg``), with EXIF orientation applied.
+
+libjpeg-turbo is also what OpenCV's ``imdecode`` runs (simplejpeg bundles its own build): the same pixels,
+bit-identical on the test photos at full size and at 1/2, 1/4, 1/8 scale, but ``imdecode`` spends more
+around it: 5.7 -> 4.0 ms for obama.jpg (910x1137, 4:4:4), 2.6 -> 1.8 ms for t1.jpg at 1/2 on a 2-core
+Xeon (one call at a time). The fast path is taken only when it is sure to give what OpenCV gives; for
+anything else (a JPEG TurboJPEG cannot read, a damaged file, EXIF it cannot read, simplejpeg not
+installed) ``decode`` returns None and the caller decodes with OpenCV as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import cast
+
+import cv2
+import numpy as np
+from numpy.typing import NDArray
+
+try:
+    turbo: ModuleType | None = importlib.import_module("simplejpeg")
+except ImportError:  # an image without it decodes every JPEG with OpenCV
+    turbo = None
+
+ImageArray = NDArray[np.uint8]
+
+_EXIF = b"Exif\x00\x00"
+_ORIENTATION_TAG = 0x0112
+
+
+def exif_orientation(data: bytes) -> int | None:
+    """The EXIF orientation (1-8; 1 when there is none) from the APP1 segment before the first scan;
+    None when the segments or the EXIF block cannot be read with certainty."""
+    position = 2
+    while position + 4 <= len(data):
+        if data[position] != 0xFF:
+            return None
+        marker = data[position + 1]
+        if marker == 0xFF:
+            position += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):
+            position += 2
+            continue
+        if marker in (0xD9, 0xDA):  # the EXIF block comes before the scan, or there is none
+            return 1
+        length = int.from_bytes(data[position + 2:position + 4], "big")
+        segment = data[position + 4:position + 2 + length]
+        if marker == 0xE1 and segment.startswith(_EXIF):
+            return _orientation_in(segment[len(_EXIF):])
+        position += 2 + length
+    return None
+
+
+def _orientation_in(tiff: bytes) -> int | None:
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return None
+
+    def number(at: int, size: int) -> int:
+        return int.from_bytes(tiff[at:at + size], order)  # type: ignore[arg-type]
+
+    if number(2, 2) != 42:
+        return None
+    ifd = number(4, 4)
+    if ifd + 2 > len(tiff):
+        return None
+    for entry in range(ifd + 2, ifd + 2 + 12 * number(ifd, 2), 12):
+        if entry + 12 > len(tiff):
+            return None
+        if number(entry, 2) == _ORIENTATION_TAG:
+            value = number(entry + 8, 2) if number(entry + 2, 2) == 3 else 0  # SHORT
+            return value if 1 <= value <= 8 else None
+    return 1
+
+
+def _orient(image: ImageArray, orientation: int) -> ImageArray:
+    """What OpenCV's ``imdecode`` does for each EXIF orientation (loadsave.cpp, ExifTransform)."""
+    if orientation >= 5:
+        image = cast(ImageArray, cv2.transpose(image))
+    flip = {2: 1, 3: -1, 4: 0, 6: 1, 7: -1, 8: 0}.get(orientation)
+    return image if flip is None else cast(ImageArray, cv2.flip(image, flip))
+
+
+def decode(data: bytes, width: int, height: int, factor: int = 1) -> ImageArray | None:
+    """BGR pixels of a width x height JPEG decoded at 1/``factor`` scale (1, 2, 4 or 8) and oriented as
+    its EXIF says, as OpenCV would; None to leave it to OpenCV."""
+    if turbo is None:
+        return None
+    orientation = exif_orientation(data)
+    if orientation is None:
+        return None
+    out_w, out_h = -(-width // factor), -(-height // factor)
+    try:
+        if factor == 1:
+            image = cast(ImageArray, turbo.decode_jpeg(data, "BGR"))
+        else:  # TurboJPEG picks the smallest M/8 scale giving at least this size: exactly 1/factor
+            image = cast(ImageArray, turbo.decode_jpeg(data, "BGR", min_width=out_w, min_height=out_h))
+    except ValueError:
+        return None
+    if image.shape != (out_h, out_w, 3):
+        return None
+    return np.ascontiguousarray(_orient(image, orientation))
