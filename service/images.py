@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from facecore.processing import ImageError, image_header
 from service.errors import ApiError, PayloadTooLarge, UnsupportedMedia, error_response
+from service.multipart import Part, split_form
 
 _MAGIC = ((b"\xff\xd8\xff", "image/jpeg"), (b"\x89PNG\r\n\x1a\n", "image/png"), (b"BM", "image/bmp"))
 
@@ -69,25 +70,7 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
     With ``check`` every image is vetted by ``check_image`` (the first bad one raises)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
-        try:
-            form = await request.form(max_files=max_images + 1, max_fields=32)
-        except StarletteHTTPException as exc:  # Starlette's 400 for a form it refuses to parse
-            if exc.status_code != 400:
-                raise
-            if str(exc.detail).startswith("Too many files"):  # more than max_images + 1 files
-                raise PayloadTooLarge(f"more than {max_images} images per request",
-                                      code="too_many_images") from exc
-            raise ApiError(f"the multipart body is not valid: {exc.detail}",
-                           code="invalid_multipart") from exc
-        images: list[bytes] = []
-        others: dict[str, Any] = {}
-        for key, value in form.multi_items():
-            if key in fields and isinstance(value, UploadFile):
-                images.append(await value.read())
-            elif key in fields:
-                raise ApiError(f"form field {key!r} must be a file upload", code="invalid_image")
-            else:
-                others[key] = value
+        images, others = await _multipart(request, fields, max_images)
         labels = [f"{fields[0]}[{i}]" if len(images) > 1 else fields[0] for i in range(len(images))]
     elif content_type == "application/json":
         try:
@@ -115,6 +98,58 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
     if check:
         images = [check_image(d, max_pixels, label) for d, label in zip(images, labels, strict=True)]
     return Uploaded(images, others)
+
+
+#: Starlette's limit on the parts of a form that are not files (``request.form(max_fields=...)``).
+MAX_FORM_FIELDS = 32
+
+
+async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
+                     ) -> tuple[list[bytes], dict[str, Any]]:
+    """Image files and other fields of a multipart body: split at C speed when it is plain
+    (``service.multipart``), else by Starlette's parser with its errors and limits."""
+    parts = split_form(await request.body(), request.headers.get("content-type", ""),
+                       max_images + 1 + MAX_FORM_FIELDS)
+    if parts is not None and _plain(parts, fields, max_images):
+        return ([p.data for p in parts if p.name in fields],
+                {p.name: p.data.decode("utf-8") for p in parts if p.name not in fields})
+    try:
+        form = await request.form(max_files=max_images + 1, max_fields=MAX_FORM_FIELDS)
+    except StarletteHTTPException as exc:  # Starlette's 400 for a form it refuses to parse
+        if exc.status_code != 400:
+            raise
+        if str(exc.detail).startswith("Too many files"):  # more than max_images + 1 files
+            raise PayloadTooLarge(f"more than {max_images} images per request",
+                                  code="too_many_images") from exc
+        raise ApiError(f"the multipart body is not valid: {exc.detail}",
+                       code="invalid_multipart") from exc
+    images: list[bytes] = []
+    others: dict[str, Any] = {}
+    for key, value in form.multi_items():
+        if key in fields and isinstance(value, UploadFile):
+            images.append(await value.read())
+        elif key in fields:
+            raise ApiError(f"form field {key!r} must be a file upload", code="invalid_image")
+        else:
+            others[key] = value
+    return images, others
+
+
+def _plain(parts: list[Part], fields: tuple[str, ...], max_images: int) -> bool:
+    """Whether the split parts mean what Starlette's parse would, with nothing for it to refuse: image
+    fields are files, other fields are UTF-8 text, within its counts."""
+    files = sum(p.filename is not None for p in parts)
+    if files > max_images + 1 or len(parts) - files > MAX_FORM_FIELDS:
+        return False
+    for part in parts:
+        if (part.filename is not None) != (part.name in fields):
+            return False
+        if part.filename is None:
+            try:
+                part.data.decode("utf-8")
+            except UnicodeDecodeError:
+                return False
+    return True
 
 
 class BodySizeLimit:
