@@ -82,7 +82,7 @@ def _part(body: bytes, start: int, end: int) -> Part | None:
     filename: str | None = None
     for line in body[start:split].split(b"\r\n"):
         header, colon, value = line.partition(b":")
-        header = header.strip().lower()
+        header = header.lower()  # no space before the colon: Starlette would not read the header either
         if not colon:
             return None
         if header == b"content-type":

@@ -98,6 +98,7 @@ A = b'--B\r\nContent-Disposition: form-data; name="a"'
     (A + b"\r\n\r\nx", "cut"),
     (b"--B\r\nContent-Disposition: attachment; name=\"a\"\r\n\r\nx\r\n--B--", "not form-data"),
     (A + b"; name=\"b\"\r\n\r\nx\r\n--B--", "two names"),
+    (b'--B\r\nContent-Disposition : form-data; name="a"\r\n\r\nx\r\n--B--', "space before the colon"),
 ])
 def test_anything_unusual_is_left_to_starlette(body: bytes, reason: str) -> None:
     assert split(body, "multipart/form-data; boundary=B") is None, reason

@@ -591,6 +591,9 @@ def test_turbojpeg_decode_equals_opencv_for_every_exif_orientation(orientation: 
         assert fast is not None
         np.testing.assert_array_equal(fast, _opencv(data))
         np.testing.assert_array_equal(decode_image(data, 10**6), _opencv(data))
+        half = jpeg.decode(data, 80, 48, 2)  # OpenCV orients a reduced decode too
+        assert half is not None
+        np.testing.assert_array_equal(half, _opencv(data, cv2.IMREAD_REDUCED_COLOR_2))
 
 
 def _exif(orientation: int, order: str) -> bytes:
