@@ -11,6 +11,7 @@ installed) ``decode`` returns None and the caller decodes with OpenCV as before.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from types import ModuleType
 from typing import cast
 
@@ -29,27 +30,41 @@ _EXIF = b"Exif\x00\x00"
 _ORIENTATION_TAG = 0x0112
 
 
-def exif_orientation(data: bytes) -> int | None:
-    """The EXIF orientation (1-8; 1 when there is none) from the APP1 segment before the first scan;
-    None when the segments or the EXIF block cannot be read with certainty."""
+def markers(data: bytes) -> Iterator[tuple[int, int]]:
+    """(marker, position) of each marker segment of a JPEG after its SOI, in order, up to and including the
+    first scan (SOS) or the end of image (EOI); fill bytes and standalone markers are stepped over. A byte
+    where a marker should be gives (-1, position) and ends the walk; so does the end of the data."""
     position = 2
     while position + 4 <= len(data):
         if data[position] != 0xFF:
-            return None
+            yield -1, position
+            return
         marker = data[position + 1]
-        if marker == 0xFF:
+        if marker == 0xFF:  # fill byte
             position += 1
             continue
-        if marker in (0x01, *range(0xD0, 0xD8)):
+        if marker in (0x01, *range(0xD0, 0xD8)):  # standalone markers
             position += 2
             continue
+        yield marker, position
+        if marker in (0xD9, 0xDA):
+            return
+        position += 2 + int.from_bytes(data[position + 2:position + 4], "big")
+
+
+def exif_orientation(data: bytes) -> int | None:
+    """The EXIF orientation (1-8; 1 when there is none) from the APP1 segment before the first scan;
+    None when the segments or the EXIF block cannot be read with certainty."""
+    for marker, position in markers(data):
+        if marker == -1:
+            return None
         if marker in (0xD9, 0xDA):  # the EXIF block comes before the scan, or there is none
             return 1
-        length = int.from_bytes(data[position + 2:position + 4], "big")
-        segment = data[position + 4:position + 2 + length]
-        if marker == 0xE1 and segment.startswith(_EXIF):
-            return _orientation_in(segment[len(_EXIF):])
-        position += 2 + length
+        if marker == 0xE1:
+            length = int.from_bytes(data[position + 2:position + 4], "big")
+            segment = data[position + 4:position + 2 + length]
+            if segment.startswith(_EXIF):
+                return _orientation_in(segment[len(_EXIF):])
     return None
 
 
@@ -101,4 +116,4 @@ def decode(data: bytes, width: int, height: int, factor: int = 1) -> ImageArray 
         return None
     if image.shape != (out_h, out_w, 3):
         return None
-    return np.ascontiguousarray(_orient(image, orientation))
+    return _orient(image, orientation)

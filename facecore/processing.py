@@ -83,24 +83,15 @@ _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0x
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from a JPEG's frame header (SOFn), walking the marker segments; None when the
     walk does not reach one (PIL then decides)."""
-    position = 2
-    while position + 9 < len(data):
-        if data[position] != 0xFF:
-            return None
-        marker = data[position + 1]
-        if marker == 0xFF:  # fill byte
-            position += 1
-            continue
-        if marker in (0x01, *range(0xD0, 0xD8)):  # standalone markers
-            position += 2
-            continue
+    for marker, position in jpeg.markers(data):
         if marker in _SOF:
+            if position + 9 >= len(data):
+                return None
             height, width = int.from_bytes(data[position + 5:position + 7], "big"), \
                 int.from_bytes(data[position + 7:position + 9], "big")
             return (width, height) if width and height else None
-        if marker in (0xD9, 0xDA):  # end of image, start of scan before any frame header
+        if marker in (-1, 0xD9, 0xDA):  # not a marker, end of image, or a scan before any frame header
             return None
-        position += 2 + int.from_bytes(data[position + 2:position + 4], "big")
     return None
 
 

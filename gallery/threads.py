@@ -23,15 +23,15 @@ SMALL_WORK = 1 << 23
 
 
 @contextlib.contextmanager
-def threads_for(work: int) -> Iterator[int]:
+def threads_for(work: int) -> Iterator[None]:
     """The calling thread searches on one OpenMP thread inside this block when ``work`` (multiply-adds)
     is small, and on its usual count otherwise; the count it had is put back after."""
     previous = faiss.omp_get_max_threads()
     if work >= SMALL_WORK or previous == 1:
-        yield previous
+        yield
         return
     faiss.omp_set_num_threads(1)
     try:
-        yield 1
+        yield
     finally:
         faiss.omp_set_num_threads(previous)

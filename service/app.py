@@ -108,6 +108,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.dispose()
 
 
+#: Every router the app serves, in order; the last two are the CompreFace- and DeepStack-compatible APIs
+#: (docs/compat.md).
+ROUTERS = (health.router, collections.router, identities.router, recognition.router, demo.router,
+           compreface.router, deepstack.router)
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="facerec-triton", version="1.0.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
@@ -115,10 +121,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.admission = Admission(settings.limits.max_in_flight)
     app.state.metrics.watch_admission(app.state.admission)
     install_error_handlers(app)
-    for router in (health.router, collections.router, identities.router, recognition.router, demo.router):
+    for router in ROUTERS:
         app.include_router(router)
-    app.include_router(compreface.router)  # CompreFace-compatible API (docs/compat.md)
-    app.include_router(deepstack.router)  # DeepStack-compatible face API (docs/compat.md)
 
     # The last added is the outermost: Observe sees every response, the body-size 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)

@@ -110,9 +110,9 @@ async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
     (``service.multipart``), else by Starlette's parser with its errors and limits."""
     parts = split_form(await request.body(), request.headers.get("content-type", ""),
                        max_images + 1 + MAX_FORM_FIELDS)
-    if parts is not None and _plain(parts, fields, max_images):
-        return ([p.data for p in parts if p.name in fields],
-                {p.name: p.data.decode("utf-8") for p in parts if p.name not in fields})
+    plain = None if parts is None else _from_parts(parts, fields, max_images)
+    if plain is not None:
+        return plain
     try:
         form = await request.form(max_files=max_images + 1, max_fields=MAX_FORM_FIELDS)
     except StarletteHTTPException as exc:  # Starlette's 400 for a form it refuses to parse
@@ -135,21 +135,26 @@ async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
     return images, others
 
 
-def _plain(parts: list[Part], fields: tuple[str, ...], max_images: int) -> bool:
-    """Whether the split parts mean what Starlette's parse would, with nothing for it to refuse: image
-    fields are files, other fields are UTF-8 text, within its counts."""
+def _from_parts(parts: list[Part], fields: tuple[str, ...], max_images: int
+                ) -> tuple[list[bytes], dict[str, Any]] | None:
+    """Images and fields from split parts when they mean what Starlette's parse would, with nothing for it
+    to refuse (image fields are files, other fields UTF-8 text, within its counts); else None."""
     files = sum(p.filename is not None for p in parts)
     if files > max_images + 1 or len(parts) - files > MAX_FORM_FIELDS:
-        return False
+        return None
+    images: list[bytes] = []
+    others: dict[str, Any] = {}
     for part in parts:
         if (part.filename is not None) != (part.name in fields):
-            return False
-        if part.filename is None:
-            try:
-                part.data.decode("utf-8")
-            except UnicodeDecodeError:
-                return False
-    return True
+            return None
+        if part.filename is not None:
+            images.append(part.data)
+            continue
+        try:
+            others[part.name] = part.data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return images, others
 
 
 class BodySizeLimit:

@@ -10,10 +10,7 @@ from typing import Any
 
 from fastapi.routing import APIRoute
 
-from service.routers import collections, compreface, deepstack, demo, health, identities, recognition
-
-#: The routers ``service.app.create_app`` includes (without dependencies of its own).
-ROUTERS = (health, collections, identities, recognition, demo, compreface, deepstack)
+from service.app import ROUTERS
 
 
 def _calls(dependant: Any) -> Iterator[Any]:
@@ -28,7 +25,7 @@ def _on_the_loop(call: Any) -> bool:
 
 
 def test_no_route_dependency_needs_a_thread_pool_hop() -> None:
-    routes = [route for module in ROUTERS for route in module.router.routes if isinstance(route, APIRoute)]
+    routes = [route for router in ROUTERS for route in router.routes if isinstance(route, APIRoute)]
     assert len(routes) > 20
     hopping = sorted({f"{route.path}: {getattr(call, '__qualname__', call)}" for route in routes
                       for call in _calls(route.dependant) if not _on_the_loop(call)})
