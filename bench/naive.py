@@ -3,11 +3,12 @@
     python -m bench.naive                          # both variants, 1 intra-op thread, concurrency 1..16
     python -m bench.naive --variants plain --threads 1 2 --concurrency 1 8 --seconds 5
 
-Real multipart JPEG uploads (``httpx``, one client per load thread), closed loop, the same photos as
-every other part. Three variants (``bench/plain.py``): *served* gets the settings, ONNX files, runtime and
-precisions ``face_pipeline`` serves (the same work as the stack); *served-onnxruntime* the same on ONNX
-Runtime f32; *plain* ONNX Runtime, the original float detector at fixed 640x640 and SFace without the
-PReLU rewrite (the obvious deployment of the same networks).
+Real multipart JPEG uploads (``bench.core.load.MultipartSender``: the body encoded once, one kept-alive
+connection per load thread), closed loop, the same photos as every other part. Three variants
+(``bench/plain.py``): *served* gets the settings, ONNX files, runtime and precisions ``face_pipeline``
+serves (the same work as the stack); *served-onnxruntime* the same on ONNX Runtime f32; *plain* ONNX
+Runtime, the original float detector at fixed 640x640 and SFace without the PReLU rewrite (the obvious
+deployment of the same networks).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def embed(server: NaiveServer, name: str, data: bytes) -> list[dict[str, Any]]:
     """The faces (box, score, landmarks, embedding) the app returns for one upload."""
     sender = MultipartSender(f"{server.url}/embed", "image", name, data)
     try:
-        faces: list[dict[str, Any]] = sender().json()["faces"]
+        faces: list[dict[str, Any]] = json.loads(sender())["faces"]
         return faces
     finally:
         sender.close()

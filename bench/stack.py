@@ -8,7 +8,8 @@ Starts ``TritonServer`` (log: ``artifacts/bench-stack-tritonserver.log``) and th
 and snapshot folder; log: ``artifacts/bench-gateway.log``), creates a collection with obama2.jpg
 enrolled, then measures
 
-- ``POST /v1/collections/bench/identify`` with a multipart JPEG (``httpx``, one client per load thread);
+- ``POST /v1/collections/bench/identify`` with a multipart JPEG (``MultipartSender``: the body encoded once,
+  one kept-alive ``http.client`` connection per load thread);
 - ``face_pipeline`` over gRPC with the call the gateway makes (``PipelineClient.infer``);
 
 at each concurrency: throughput, p50/p90/p99 latency, CPU per request of the load client (this process),
@@ -150,7 +151,7 @@ def decisions(stack: Stack, name: str, data: bytes) -> list[str]:
     """What identify answers for this photo (a check that the enrolled identity is matched)."""
     sender = identify_sender(stack, name, data)
     try:
-        return [str(face["decision"]) for face in sender().json()["faces"]]
+        return [str(face["decision"]) for face in json.loads(sender())["faces"]]
     finally:
         sender.close()
 

@@ -7,14 +7,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from bench.core.inputs import served_models
-from bench.core.load import closed_loop, run_load
+from bench.core.load import MultipartSender, closed_loop, run_load
 from bench.core.processes import (
     Watched,
     cpu_seconds,
@@ -27,6 +30,7 @@ from bench.core.processes import (
 from bench.core.reporting import machine_description, markdown_table, read_section, write_section
 from bench.core.triton import bundled_triton, model_statistics, triton_url
 from service.launcher import stop_process
+from service.multipart import split_form
 
 
 def test_sections_of_the_shared_report_are_replaced_in_place(tmp_path: Path) -> None:
@@ -143,3 +147,59 @@ def test_closed_loop_counts_errors_without_raising() -> None:
 
     result = closed_loop(flaky, 1, 0.2, warmup=0)
     assert result.errors > 0 and result.requests > 0 and abs(result.errors - result.requests) <= 1
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Answers every POST with 200 (or the status asked for in the path), records what came, and closes
+    the connection after each answer when the path asks for it, as an idle server does."""
+
+    protocol_version = "HTTP/1.1"
+    seen: ClassVar[list[tuple[str, dict[str, str], bytes, int]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.seen.append((self.path, dict(self.headers), body, self.client_address[1]))
+        status = 500 if "fail" in self.path else 200
+        self.send_response(status)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+        self.close_connection = "close" in self.path
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def recorder() -> Iterator[str]:
+    _Recorder.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_load_sender_posts_one_multipart_image_on_a_kept_alive_connection(recorder: str) -> None:
+    data = bytes(range(256)) * 40 + b"\r\n--x"
+    sender = MultipartSender(f"{recorder}/up?k=1", "image", "a.jpg", data, {"X-API-Key": "secret"})
+    assert sender() == b"ok" and sender() == b"ok"
+    sender.close()
+    (path, headers, body, first), (_, _, again, second) = _Recorder.seen
+    assert path == "/up?k=1" and headers["X-API-Key"] == "secret" and body == again and first == second
+    parts = split_form(body, headers["Content-Type"], 10)
+    assert parts is not None and [(p.name, p.filename, p.data) for p in parts] == [("image", "a.jpg", data)]
+
+
+def test_the_load_sender_reconnects_once_and_raises_on_an_error_status(recorder: str) -> None:
+    closing = MultipartSender(f"{recorder}/close", "image", "a.jpg", b"jpeg")
+    for _ in range(3):  # the server closes after every answer: each later call reconnects once
+        assert closing() == b"ok"
+    assert len({seen[3] for seen in _Recorder.seen}) == 3
+    with pytest.raises(RuntimeError, match="500"):
+        MultipartSender(f"{recorder}/fail", "image", "a.jpg", b"jpeg")()
+    with pytest.raises(ValueError, match="http://"):
+        MultipartSender("https://example.org/x", "image", "a.jpg", b"jpeg")
