@@ -52,7 +52,8 @@ class GallerySettings(BaseModel):
     milvus_search_params: dict[str, Any] = Field(default_factory=dict, description="Milvus search parameters")
     snapshot_dir: Path | None = Field(ROOT / "data" / "index",
                                       description="FAISS snapshots (none: no snapshots)")
-    follow_interval_s: float = Field(0.2, gt=0, description="change-log polling period (replicas)")
+    follow_interval_s: float = Field(0.2, gt=0,
+                                     description="change-log and key-table polling period (replicas)")
     exact_max: int = Field(200_000, ge=0, description="faces above which approximate indexes are measured "
                            "(PQ fast-scan or SQ8 + exact re-rank, IVF); one is kept if it meets the targets")
     batch_window_ms: float = Field(0.0, ge=0, le=100, description="how long a search waits for concurrent "

@@ -106,6 +106,7 @@ class FaceRecords:
                                                            Identity.external_id == new))
             if target is None:
                 source.external_id = new
+                GalleryStore._log(session, owner.id, [(0, source.id)], ChangeOp.RELABEL)
                 return
             if target.id == source.id:
                 raise Conflict(f"identity {old!r} already has that external id")

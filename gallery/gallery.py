@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 
 #: Names the database lock under which one process at a time applies the log to a shared engine.
 ENGINE_LOCK = 0x6661636574
+#: A search of at most this many multiply-adds (queries x faces x dimension, the exact scan's) is answered
+#: by ``search_inline`` on the calling thread: about 0.1 ms, less than the hop to a worker thread costs.
+INLINE_WORK = 1 << 20
+#: Identity labels remembered at most; past it the memory starts again empty.
+MAX_LABELS = 100_000
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,11 @@ class Gallery:
         self._follower: threading.Thread | None = None
         self._stop = threading.Event()
         self._erased: set[str] = set()  # collections with removals not yet persisted
+        #: (external_id, name) by identity id, as the database had them; the change log says when to read
+        #: one again (removed faces, a relabel, a dropped collection); bumped generations refuse reads
+        #: that began before such a change was applied
+        self._labels: dict[int, tuple[str, str]] = {}
+        self._label_generation = 0
         self.loaded = False
 
     # --- loading, replay, snapshots -----------------------------------------------------------
@@ -207,7 +217,10 @@ class Gallery:
     def _apply(self, changes: list[Change], engine_at: int) -> None:
         """Apply ``changes`` in order; those at or below ``engine_at`` are already in the engine."""
         by_collection: dict[int, list[Change]] = defaultdict(list)
+        self._forget_labels(changes)
         for change in changes:
+            if change.op is ChangeOp.RELABEL:
+                continue  # the engines hold no labels
             if change.op is ChangeOp.DROP:
                 self._collections.pop(change.collection_id, None)
                 if change.seq > engine_at:
@@ -234,6 +247,36 @@ class Gallery:
                 elif op is ChangeOp.REMOVE:
                     entry.index.remove(np.array([c.face_id for c in run]))
                     self._erased.add(entry.info.name)
+
+    def _forget_labels(self, changes: list[Change]) -> None:
+        """Labels these changes may have made wrong: the identity's (faces removed, possibly with it, or a
+        relabel), every one on a dropped collection. Called under the lock."""
+        stale = {c.identity_id for c in changes if c.op in (ChangeOp.REMOVE, ChangeOp.RELABEL)}
+        dropped = any(c.op is ChangeOp.DROP for c in changes)
+        if not stale and not dropped:
+            return
+        if dropped:
+            self._labels.clear()
+        for identity in stale:
+            self._labels.pop(identity, None)
+        self._label_generation += 1  # a read begun before these changes may hold what they replaced
+
+    def _labels_for(self, identity_ids: AbstractSet[int]) -> dict[int, tuple[str, str]]:
+        """(external_id, name) of these identities: remembered ones, the rest from the database (an
+        identity deleted there is left out)."""
+        with self._lock:
+            known = {i: self._labels[i] for i in identity_ids if i in self._labels}
+            generation = self._label_generation
+        missing = identity_ids - known.keys()
+        if missing:
+            read = self.store.identity_labels(missing)
+            with self._lock:
+                if generation == self._label_generation:  # no change to labels applied meanwhile
+                    if len(self._labels) + len(read) > MAX_LABELS:
+                        self._labels.clear()
+                    self._labels.update(read)
+            known.update(read)
+        return known
 
     # --- followers (replicas in other processes) ---------------------------------------------
 
@@ -323,10 +366,46 @@ class Gallery:
         first = self.batcher.search(info.id, matrix, fetch, search)
         best = [self._best_identities(entry, query, k, exclude, [a[row:row + 1] for a in first])
                 for row, query in enumerate(matrix)]
-        labels = self.store.identity_labels(i for row in best for i, _, _ in row)
-        limit = info.match_threshold if threshold is None else float(threshold)
-        return [SearchResult([Candidate(i, *labels.get(i, ("", "")), score=s, face_id=f) for i, s, f in row
-                              if i in labels], limit) for row in best]
+        labels = self._labels_for({i for row in best for i, _, _ in row})
+        return self._results(best, labels, info.match_threshold if threshold is None else float(threshold))
+
+    def search_inline(self, collection: str, queries: ArrayLike, k: int = 5, threshold: float | None = None
+                      ) -> list[SearchResult] | None:
+        """``search`` on the calling thread (the event loop), or None when it cannot answer at once: the
+        engine is not in this process, the collection is not loaded here, the search is larger than
+        ``INLINE_WORK``, the lock is held (a sync may be reading the database), or a label is not
+        remembered. Then ``search`` (in a worker thread) answers, and remembers the labels."""
+        if self.engine.shared or k < 1:
+            return None
+        entry = next((e for e in list(self._collections.values()) if e.info.name == collection), None)
+        if entry is None:
+            return None
+        info = entry.info
+        matrix = validate_embeddings(queries, info.dimension)
+        fetch = max(4 * k, 32)
+        if matrix.shape[0] * max(len(entry.index), fetch) * info.dimension > INLINE_WORK:
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._collections.get(info.id) is not entry:
+                return None  # replaced while this call looked
+            first = entry.index.search(matrix, fetch)
+            best = [self._best_identities(entry, query, k, frozenset(), [a[row:row + 1] for a in first])
+                    for row, query in enumerate(matrix)]
+            wanted = {i for row in best for i, _, _ in row}
+            if not wanted <= self._labels.keys():
+                return None
+            labels = {i: self._labels[i] for i in wanted}
+        finally:
+            self._lock.release()
+        return self._results(best, labels, info.match_threshold if threshold is None else float(threshold))
+
+    @staticmethod
+    def _results(best: list[list[tuple[int, float, int]]], labels: dict[int, tuple[str, str]], limit: float
+                 ) -> list[SearchResult]:
+        return [SearchResult([Candidate(i, *labels[i], score=s, face_id=f) for i, s, f in row if i in labels],
+                             limit) for row in best]
 
     def _best_identities(self, entry: _Collection, query: NDArray[np.float32], k: int,
                          exclude: AbstractSet[int], first: list[NDArray[Any]]

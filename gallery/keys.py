@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from gallery.db import Database
@@ -18,6 +18,11 @@ from gallery.models import ApiKey, Collection, utcnow
 #: Every authenticated request runs this: built once (statement construction costs as much as the query).
 _FIND = (select(ApiKey.id, Collection.name).join(Collection, Collection.id == ApiKey.collection_id)
          .where(ApiKey.key_hash == bindparam("key_hash"), ApiKey.revoked_at.is_(None)))
+
+#: What any revocation or deletion of a key changes: ids are never reused (autoincrement), so a deletion
+#: that an addition hides from the count still changes the sum.
+_SIGNATURE = select(func.count(ApiKey.id), func.count(ApiKey.revoked_at),
+                    func.coalesce(func.sum(ApiKey.id), 0))
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,11 @@ class KeyRecords:
         """(key id, collection name) of a key that is not revoked, by its hash."""
         rows = self.db.fetch(_FIND, {"key_hash": key_hash})
         return (int(rows[0][0]), str(rows[0][1])) if rows else None
+
+    def signature(self) -> tuple[int, int, int]:
+        """(keys, revoked keys, sum of key ids): it changes whenever a key is revoked or deleted."""
+        count, revoked, total = self.db.fetch(_SIGNATURE)[0]
+        return int(count), int(revoked), int(total)
 
     @staticmethod
     def _owner(session: Session, collection: str) -> Collection:

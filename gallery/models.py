@@ -1,7 +1,7 @@
 """Database schema (SQLAlchemy 2.0, typed). The database is the source of truth; FAISS is a cache.
 
-Every change to a collection's faces appends a row to ``face_changes``: index replicas replay that
-log in ``seq`` order to stay equal to the database.
+Every change to a collection's faces (and to an identity's label: name, external id) appends a row to
+``face_changes``: index replicas replay that log in ``seq`` order to stay equal to the database.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class ChangeOp(StrEnum):
     ADD = "add"
     REMOVE = "remove"
     DROP = "drop"  # the whole collection was deleted
+    RELABEL = "relabel"  # an identity's name or external id changed (face_id 0): its label is read again
 
 
 class Collection(Base):

@@ -196,8 +196,9 @@ class GalleryStore:
                         metadata: dict[str, Any] | None = None) -> IdentityInfo:
         with self.db.write() as session:
             row = self._identity(session, self._collection(session, collection).id, external_id)
-            if name is not None:
+            if name is not None and name != row.name:
                 row.name = name
+                self._log(session, row.collection_id, [(0, row.id)], ChangeOp.RELABEL)
             if metadata is not None:
                 row.attributes = dict(metadata)
             session.flush()

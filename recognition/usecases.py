@@ -124,8 +124,11 @@ class Recognition:
         info = await self.collection(collection)
         faces = await self.analyze(data, score_threshold=score_threshold)
         limit = info.match_threshold if threshold is None else threshold
-        results = await asyncio.to_thread(self.gallery.search, collection, faces.embeddings, k,
-                                          limit) if len(faces) else []
+        results: list[SearchResult] = []
+        if len(faces):  # a small collection is searched on the event loop, a larger one in a worker thread
+            inline = self.gallery.search_inline(collection, faces.embeddings, k, limit)
+            results = inline if inline is not None else await asyncio.to_thread(
+                self.gallery.search, collection, faces.embeddings, k, limit)
         return Identified(faces, results, limit)
 
     async def enroll(self, collection: str, external_id: str, images: Sequence[bytes], rules: EnrollmentRules,

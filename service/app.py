@@ -84,7 +84,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     gallery.start_follower(settings.gallery.follow_interval_s)
     pipeline = AsyncPipelineClient(settings.triton.url, settings.triton.timeout_s)
     app.state.store, app.state.gallery, app.state.pipeline = store, gallery, pipeline
-    app.state.keys = KeyStore(db, settings.security.admin_key.get_secret_value())
+    app.state.keys = keys = KeyStore(db, settings.security.admin_key.get_secret_value())
+    keys.start_watch(settings.gallery.follow_interval_s)
     metrics: Metrics = app.state.metrics
     metrics.watch_gallery(gallery.sizes)
     app.state.faces = Recognition(pipeline, gallery, store, settings.limits.max_faces,
@@ -103,6 +104,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             with suppress(asyncio.CancelledError):
                 await task
         gallery.stop_follower()
+        keys.stop_watch()
         await asyncio.to_thread(gallery.snapshot)
         await pipeline.close()
         engine.dispose()

@@ -2,20 +2,28 @@
 
 Keys travel in the ``X-API-Key`` header (or ``Authorization: Bearer``). Collection keys look like
 ``frk_<prefix>_<secret>``; only the SHA-256 of the whole key is stored (the keys are 256-bit random,
-so a fast hash is enough), and revoked keys stop working at once.
+so a fast hash is enough). A key found in the database is remembered, so that its next requests need no
+query: the gateway that revokes a key (or deletes its collection) forgets it at once, and every gateway
+checks the key table's signature (``KeyRecords.signature``) every follower interval
+(``FACEREC_GALLERY__FOLLOW_INTERVAL_S``, 0.2 s) and forgets every key when it changed, so a revocation
+on another replica takes effect within that interval, like an enrolment there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
+import threading
 from dataclasses import dataclass
 
 from gallery.db import Database
 from gallery.keys import KeyInfo, KeyRecords
 
 KEY_PREFIX = "frk_"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,10 +42,22 @@ def _hash(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+#: Keys remembered at most; past it the memory starts again empty (a real gallery has a few keys).
+MAX_REMEMBERED = 10_000
+
+
 class KeyStore:
+    """Thread-safe. ``remembered`` answers on the event loop; ``authenticate`` may query the database."""
+
     def __init__(self, db: Database, admin_key: str) -> None:
         self.records = KeyRecords(db)
         self._admin_hash = _hash(admin_key)
+        self._known: dict[str, Principal] = {}  # by key hash: valid keys only, never refusals
+        self._generation = 0  # bumped by every forget: a lookup begun before it does not remember
+        self._signature: tuple[int, int, int] | None = None
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def is_admin(self, presented: str) -> bool:
         """The admin key needs no database: callers check it first, on the event loop."""
@@ -46,6 +66,10 @@ class KeyStore:
     def needs_lookup(self, presented: str) -> bool:
         return presented.startswith(KEY_PREFIX)
 
+    def remembered(self, presented: str) -> Principal | None:
+        """The principal of a collection key found valid since the last forget, without the database."""
+        return self._known.get(_hash(presented))
+
     def authenticate(self, presented: str) -> Principal | None:
         """The principal behind a presented key, or None when it is unknown or revoked."""
         digest = _hash(presented)
@@ -53,8 +77,58 @@ class KeyStore:
             return Principal(admin=True)
         if not presented.startswith(KEY_PREFIX):
             return None
+        known = self._known.get(digest)
+        if known is not None:
+            return known
+        generation = self._generation
         found = self.records.find(digest)
-        return None if found is None else Principal(admin=False, collection=found[1], key_id=found[0])
+        if found is None:
+            return None
+        principal = Principal(admin=False, collection=found[1], key_id=found[0])
+        with self._lock:
+            if generation == self._generation:  # no revocation was noticed while the row was read
+                if len(self._known) >= MAX_REMEMBERED:
+                    self._known.clear()
+                self._known[digest] = principal
+        return principal
+
+    def forget(self) -> None:
+        """Forget every remembered key (after a revocation or a collection deletion here)."""
+        with self._lock:
+            self._generation += 1
+            self._known.clear()
+
+    def refresh(self) -> bool:
+        """Forget every remembered key when the key table's signature changed; True when it did."""
+        signature = self.records.signature()
+        if signature == self._signature:
+            return False
+        self.forget()
+        self._signature = signature
+        return True
+
+    def start_watch(self, interval_s: float) -> None:
+        """Call ``refresh`` every ``interval_s`` in a daemon thread (revocations by other replicas)."""
+        if self._watcher is not None:
+            return
+        self._stop.clear()
+
+        def watch() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.refresh()
+                except Exception:  # the database may be briefly unreachable: forget, then keep watching
+                    self.forget()
+                    log.exception("key table check failed; retrying")
+
+        self._watcher = threading.Thread(target=watch, name="key-watch", daemon=True)
+        self._watcher.start()
+
+    def stop_watch(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+            self._watcher = None
 
     def create(self, collection: str, label: str = "") -> tuple[str, KeyInfo]:
         """A new key for ``collection``; the secret is returned once and never stored."""
@@ -67,3 +141,4 @@ class KeyStore:
 
     def revoke(self, collection: str, key_id: int) -> None:
         self.records.revoke(collection, key_id)
+        self.forget()

@@ -16,7 +16,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from facecore.client import PipelineError
@@ -26,7 +25,7 @@ from recognition.errors import Refused
 from recognition.usecases import confidence
 from service.auth import Principal
 from service.compat import rendering_route
-from service.deps import KeysDep
+from service.deps import KeysDep, lookup_key
 from service.errors import RETRY_AFTER_S, ApiError, pipeline_error
 
 #: CompreFace's codes (its CommonExceptionCode) for ours; anything else is 0 ("undefined"), status 400.
@@ -100,7 +99,7 @@ async def caller(keys: KeysDep, key: Annotated[str | None, Security(_key)] = Non
     """Any valid key, CompreFace-style: 400 code 20 without one, 404 code 10 for an unknown one."""
     if not key:
         raise CompreFaceError(400, 20, "Missing header: x-api-key")
-    found = await run_in_threadpool(keys.authenticate, key)
+    found = await lookup_key(keys, key)
     if found is None:
         raise CompreFaceError(404, 10, "Service with this API key not found")
     return found

@@ -52,6 +52,16 @@ GalleryDep = Annotated[Gallery, Depends(get_gallery)]
 KeysDep = Annotated[KeyStore, Depends(get_keys)]
 
 
+async def lookup_key(keys: KeyStore, presented: str) -> Principal | None:
+    """``keys.authenticate`` with no thread-pool hop for the admin key, a malformed key or a key already
+    found valid (remembered): only a collection key seen for the first time queries the database."""
+    if keys.is_admin(presented):
+        return Principal(admin=True)
+    if not keys.needs_lookup(presented):
+        return None
+    return keys.remembered(presented) or await run_in_threadpool(keys.authenticate, presented)
+
+
 async def principal(
     keys: KeysDep,
     header: Annotated[str | None, Security(_api_key)] = None,
@@ -61,9 +71,7 @@ async def principal(
     presented = header or (bearer.credentials if bearer else None)
     if not presented:
         raise Unauthorized("an API key is required (X-API-Key header)")
-    if keys.is_admin(presented):  # no thread-pool hop for the admin key, none for a malformed one
-        return Principal(admin=True)
-    found = await run_in_threadpool(keys.authenticate, presented) if keys.needs_lookup(presented) else None
+    found = await lookup_key(keys, presented)
     if found is None:
         raise Unauthorized("the API key is not valid")
     return found

@@ -255,12 +255,13 @@ def test_change_log_in_commit_order(people: GalleryStore, rng: np.random.Generat
     _, a_more = store.add_faces("people", "a", new_faces(unit_vectors(rng, 1, DIM)), MODEL)
     removed = store.delete_identity("people", "b")
     store.create_identity("people", "c")  # no vectors change: no log row
-    store.update_identity("people", "a", name="Renamed")
+    store.update_identity("people", "a", metadata={"team": "x"})  # no label changes: no log row
+    store.update_identity("people", "a", name="Renamed")  # the label search results show: a relabel row
 
     changes = store.changes_since(0)
     expected = ([(ChangeOp.ADD, f.id, a.id) for f in a_faces] + [(ChangeOp.ADD, f.id, b.id) for f in b_faces]
                 + [(ChangeOp.REMOVE, a_faces[0].id, a.id)] + [(ChangeOp.ADD, f.id, a.id) for f in a_more]
-                + [(ChangeOp.REMOVE, f, b.id) for f in removed])
+                + [(ChangeOp.REMOVE, f, b.id) for f in removed] + [(ChangeOp.RELABEL, 0, a.id)])
     assert [(c.op, c.face_id, c.identity_id) for c in changes] == expected
     assert sorted(removed) == sorted(f.id for f in b_faces)
     seqs = [c.seq for c in changes]

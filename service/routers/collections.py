@@ -47,8 +47,10 @@ async def get_collection(collection: str, _: CollectionAccessDep, store: StoreDe
 
 @router.delete("/{collection}", status_code=status.HTTP_204_NO_CONTENT,
                summary="Delete a collection with all its identities, faces and keys")
-async def delete_collection(collection: str, _: AdminDep, store: StoreDep, gallery: GalleryDep) -> None:
+async def delete_collection(collection: str, _: AdminDep, store: StoreDep, gallery: GalleryDep,
+                            keys: KeysDep) -> None:
     await asyncio.to_thread(store.delete_collection, collection)
+    keys.forget()  # its keys are gone: a new collection of that name must not accept them
     await asyncio.to_thread(gallery.sync)
 
 
@@ -67,7 +69,10 @@ async def list_keys(collection: str, _: AdminDep, keys: KeysDep) -> list[schemas
                            revoked_at=k.revoked_at) for k in await asyncio.to_thread(keys.list, collection)]
 
 
-@router.delete("/{collection}/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Revoke a key")
+@router.delete("/{collection}/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Revoke a key",
+                description="Refused at once by this gateway; by the other replicas within the follower "
+                            "interval (FACEREC_GALLERY__FOLLOW_INTERVAL_S, 0.2 s), when they next check the "
+                            "key table.")
 async def revoke_key(collection: str, key_id: Annotated[int, Path(ge=1, le=2**63 - 1)], _: AdminDep,
                      keys: KeysDep) -> None:
     await asyncio.to_thread(keys.revoke, collection, key_id)

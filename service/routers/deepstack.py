@@ -20,7 +20,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from facecore.contract import Faces
 from gallery.errors import NotFound
@@ -28,7 +27,7 @@ from recognition.enrollment import EnrollmentRules, FaceChoice
 from recognition.usecases import confidence
 from service.admission import admit
 from service.compat import describe, rendering_route
-from service.deps import KeysDep, ServiceDep, SettingsDep
+from service.deps import KeysDep, ServiceDep, SettingsDep, lookup_key
 from service.images import Uploaded, read_images
 from service.openapi import image_body
 from service.schemas import Base64Image
@@ -109,7 +108,7 @@ async def _collection(request: Request, settings: SettingsDep, keys: KeysDep, fi
         raise DeepStackError(404, "the DeepStack API is off: set FACEREC_DEEPSTACK__COLLECTION")
     if not key:
         raise DeepStackError(401, "an api_key is required")
-    found = await run_in_threadpool(keys.authenticate, key)
+    found = await lookup_key(keys, key)
     if found is None or not found.can_access(name):
         raise DeepStackError(401 if found is None else 403, "incorrect api key")
     return name

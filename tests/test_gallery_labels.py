@@ -1,0 +1,152 @@
+"""Identity labels in search results (``Gallery._labels_for``) and the inline search
+(``Gallery.search_inline``): labels are read once and then remembered; the change log says when one must
+be read again (faces removed, a new name or external id, a dropped collection), so a replica shows a
+rename once it has applied the log, like an enrolment. FAISS and the real Milvus engine, SQLite and
+PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from gallery import gallery as gallery_module
+from gallery.faces import FaceRecords
+from gallery.gallery import SearchResult
+from gallery.models import ChangeOp
+from gallery.store import GalleryStore
+from tests.gallery_helpers import MODEL, GalleryFactory, new_faces, unit_vectors
+
+pytest_plugins = ["tests.gallery_fixtures"]
+
+DIM = 16
+
+
+class CountingLabels:
+    """Wraps ``GalleryStore.identity_labels`` to count its reads (and run ``during`` after one)."""
+
+    def __init__(self, store: GalleryStore) -> None:
+        self.reads = 0
+        self.during: Any = None
+        self._read = store.identity_labels
+        store.identity_labels = self  # type: ignore[method-assign]
+
+    def __call__(self, identity_ids: Any) -> dict[int, tuple[str, str]]:
+        self.reads += 1
+        read = self._read(identity_ids)
+        if self.during is not None:
+            during, self.during = self.during, None
+            during()
+        return read
+
+
+def enrolled(store: GalleryStore, seed: int = 5) -> NDArray[np.float32]:
+    """Collection ``c``: identities ``ann`` ("Ann") and ``bob`` ("Bob"), two faces each; ann's first face."""
+    rng = np.random.default_rng(seed)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    vectors = unit_vectors(rng, 4, DIM)
+    store.add_faces("c", "ann", new_faces(vectors[:2], tag="ann"), MODEL, create=("Ann", {}))
+    store.add_faces("c", "bob", new_faces(vectors[2:], tag="bob"), MODEL, create=("Bob", {}))
+    return vectors[:1]
+
+
+def top(results: list[SearchResult]) -> tuple[str, str]:
+    best = results[0].candidates[0]
+    return best.external_id, best.name
+
+
+def test_labels_are_read_once_and_a_replica_shows_renames_after_it_applies_the_log(
+        store: GalleryStore, make_gallery: GalleryFactory) -> None:
+    query = enrolled(store)
+    writer, replica = make_gallery(store), make_gallery(store)
+    writer.load()
+    replica.load()
+    counting = CountingLabels(store)
+    for _ in range(3):
+        assert top(replica.search("c", query)) == ("ann", "Ann")
+    assert counting.reads == 1
+    store.update_identity("c", "ann", name="Ann Lee")
+    assert store.changes_since(store.last_seq() - 1)[-1].op is ChangeOp.RELABEL
+    writer.sync()
+    assert top(writer.search("c", query)) == ("ann", "Ann Lee")
+    assert top(replica.search("c", query)) == ("ann", "Ann")  # until it applies the log
+    replica.sync()
+    assert top(replica.search("c", query)) == ("ann", "Ann Lee")
+    FaceRecords(store.db).rename("c", "ann", "ann-lee")  # a new external id
+    replica.sync()
+    assert top(replica.search("c", query)) == ("ann-lee", "Ann Lee")
+    last = store.last_seq()
+    store.update_identity("c", "ann-lee", name="Ann Lee", metadata={"team": "x"})  # same name: no relabel
+    assert store.last_seq() == last
+
+
+def test_a_deleted_identity_or_collection_leaves_the_results(store: GalleryStore,
+                                                             make_gallery: GalleryFactory) -> None:
+    query = enrolled(store)
+    writer, replica = make_gallery(store), make_gallery(store)
+    writer.load()
+    replica.load()
+    ann = replica.search("c", query)[0].candidates[0]
+    assert (ann.external_id, ann.name) == ("ann", "Ann")
+    store.delete_identity("c", "ann")
+    replica.sync()
+    assert ann.identity_id not in replica._labels  # nothing of an erased identity kept
+    assert [c.external_id for c in replica.search("c", query)[0].candidates] == ["bob"]
+    store.delete_collection("c")
+    query = enrolled(store, seed=6)  # a new collection of that name, new identities
+    replica.sync()
+    assert replica._labels == {}
+    assert top(replica.search("c", query)) == ("ann", "Ann")
+
+
+def test_a_read_that_raced_a_relabel_is_not_remembered(store: GalleryStore,
+                                                       make_gallery: GalleryFactory) -> None:
+    query = enrolled(store)
+    gallery = make_gallery(store)
+    gallery.load()
+    counting = CountingLabels(store)
+
+    def rename_meanwhile() -> None:  # the old name was read; the rename is applied before it is kept
+        store.update_identity("c", "ann", name="Ann Lee")
+        gallery.sync()
+
+    counting.during = rename_meanwhile
+    assert top(gallery.search("c", query)) == ("ann", "Ann")  # what the database had when read
+    assert top(gallery.search("c", query)) == ("ann", "Ann Lee") and counting.reads == 2
+
+
+def test_the_inline_search_equals_the_threaded_one_and_declines_what_it_cannot_answer_at_once(
+        store: GalleryStore, make_gallery: GalleryFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    query = enrolled(store)
+    gallery = make_gallery(store)
+    assert gallery.search_inline("c", query) is None  # not loaded here yet
+    gallery.load()
+    if gallery.engine.shared:  # Milvus: a network call, never on the event loop
+        gallery.search("c", query)
+        assert gallery.search_inline("c", query) is None
+        return
+    assert gallery.search_inline("c", query) is None  # labels not read yet
+    threaded = gallery.search("c", query, k=2, threshold=0.2)
+    assert gallery.search_inline("c", query, k=2, threshold=0.2) == threaded
+    assert gallery.search_inline("c", query) == gallery.search("c", query)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gallery._lock:
+            held.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    try:
+        assert gallery.search_inline("c", query) is None  # a sync may be reading the database
+    finally:
+        release.set()
+        holder.join()
+    assert gallery.search_inline("c", query) is not None
+    monkeypatch.setattr(gallery_module, "INLINE_WORK", 32 * DIM - 1)  # 1 query x 32 fetched x 16-d
+    assert gallery.search_inline("c", query) is None  # larger than an inline search may be
