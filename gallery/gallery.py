@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from facecore.periodic import Periodic
 from facecore.settings import Settings
 from gallery.batching import SearchBatcher
 from gallery.embeddings import validate_embeddings
@@ -99,8 +100,7 @@ class Gallery:
         self._collections: dict[int, _Collection] = {}
         self._applied = 0
         self._lock = threading.RLock()
-        self._follower: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._follower = Periodic("gallery-follower", self.sync, "change-log sync failed")
         self._erased: set[str] = set()  # collections with removals not yet persisted
         #: (external_id, name) by identity id, as the database had them; the change log says when to read
         #: one again (removed faces, a relabel, a dropped collection); bumped generations refuse reads
@@ -282,25 +282,10 @@ class Gallery:
 
     def start_follower(self, interval_s: float = 0.2) -> None:
         """Poll the change log in a daemon thread so that other processes' writes become visible."""
-        if self._follower is not None:
-            return
-        self._stop.clear()
-
-        def follow() -> None:
-            while not self._stop.wait(interval_s):
-                try:
-                    self.sync()
-                except Exception:  # the database may be briefly unreachable; keep following
-                    log.exception("change-log sync failed; retrying")
-
-        self._follower = threading.Thread(target=follow, name="gallery-follower", daemon=True)
-        self._follower.start()
+        self._follower.start(interval_s)
 
     def stop_follower(self) -> None:
-        self._stop.set()
-        if self._follower is not None:
-            self._follower.join(timeout=5)
-            self._follower = None
+        self._follower.stop()
 
     # --- queries -----------------------------------------------------------------------------
 

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import secrets
 import threading
 from dataclasses import dataclass
 
+from facecore.periodic import Periodic
 from gallery.db import Database
 from gallery.keys import KeyInfo, KeyRecords
 
 KEY_PREFIX = "frk_"
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,8 +54,7 @@ class KeyStore:
         self._generation = 0  # bumped by every forget: a lookup begun before it does not remember
         self._signature: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
-        self._watcher: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._watch = Periodic("key-watch", self.refresh, "key table check failed", on_error=self.forget)
 
     def is_admin(self, presented: str) -> bool:
         """The admin key needs no database: callers check it first, on the event loop."""
@@ -108,27 +105,12 @@ class KeyStore:
         return True
 
     def start_watch(self, interval_s: float) -> None:
-        """Call ``refresh`` every ``interval_s`` in a daemon thread (revocations by other replicas)."""
-        if self._watcher is not None:
-            return
-        self._stop.clear()
-
-        def watch() -> None:
-            while not self._stop.wait(interval_s):
-                try:
-                    self.refresh()
-                except Exception:  # the database may be briefly unreachable: forget, then keep watching
-                    self.forget()
-                    log.exception("key table check failed; retrying")
-
-        self._watcher = threading.Thread(target=watch, name="key-watch", daemon=True)
-        self._watcher.start()
+        """Call ``refresh`` every ``interval_s`` in a daemon thread (revocations by other replicas); while
+        the database cannot be read, every remembered key is forgotten."""
+        self._watch.start(interval_s)
 
     def stop_watch(self) -> None:
-        self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
-            self._watcher = None
+        self._watch.stop()
 
     def create(self, collection: str, label: str = "") -> tuple[str, KeyInfo]:
         """A new key for ``collection``; the secret is returned once and never stored."""

@@ -121,3 +121,30 @@ def test_the_memory_is_bounded(db: Database, monkeypatch: pytest.MonkeyPatch) ->
         assert keys.authenticate(secret) is not None
     assert [keys.remembered(s) is not None for s in secrets] == [False, False, True]
 
+
+
+def test_while_the_key_table_cannot_be_read_nothing_is_remembered(db: Database) -> None:
+    keys = KeyStore(db, ADMIN)
+    secret, _ = keys.create("alpha")
+    failures = {"left": 3}
+    signature = keys.records.signature
+
+    def flaky() -> tuple[int, int, int]:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("database unreachable")
+        return signature()
+
+    keys.records.signature = flaky  # type: ignore[method-assign]
+    assert keys.authenticate(secret) is not None
+    keys.start_watch(0.02)
+    try:
+        deadline = time.monotonic() + 5
+        while keys.remembered(secret) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert keys.remembered(secret) is None  # forgotten on the failed check
+        while keys._signature is None and time.monotonic() < deadline:  # the watch goes on after them
+            time.sleep(0.01)
+        assert keys.authenticate(secret) is not None and keys.remembered(secret) is not None
+    finally:
+        keys.stop_watch()
