@@ -25,6 +25,11 @@ from gallery.models import ChangeOp, Collection, Face, FaceChange, Identity
 #: Every search runs this (the labels of its candidates): built once.
 _LABELS = select(Identity.id, Identity.external_id, Identity.name).where(
     Identity.id.in_(bindparam("ids", expanding=True)))
+#: The follower's poll, built once (building a statement costs as much as running it).
+_CHANGES = (select(FaceChange.seq, FaceChange.collection_id, FaceChange.face_id, FaceChange.identity_id,
+                   FaceChange.op).where(FaceChange.seq > bindparam("seq")).order_by(FaceChange.seq)
+            .limit(bindparam("limit")))
+_LAST_SEQ = select(func.max(FaceChange.seq))
 
 
 @dataclass(frozen=True)
@@ -313,14 +318,12 @@ class GalleryStore:
                         for f, i in faces)
 
     def changes_since(self, seq: int, limit: int = 10_000) -> list[Change]:
-        with self.db.read() as session:
-            rows = session.scalars(select(FaceChange).where(FaceChange.seq > seq)
-                                   .order_by(FaceChange.seq).limit(limit))
-            return [Change(r.seq, r.collection_id, r.face_id, r.identity_id, ChangeOp(r.op)) for r in rows]
+        """Log rows after ``seq``, in order (every replica asks this every follower interval)."""
+        return [Change(int(s), int(c), int(f), int(i), ChangeOp(op))
+                for s, c, f, i, op in self.db.fetch(_CHANGES, {"seq": seq, "limit": limit})]
 
     def last_seq(self) -> int:
-        with self.db.read() as session:
-            return int(session.scalar(select(func.max(FaceChange.seq))) or 0)
+        return int(self.db.fetch(_LAST_SEQ)[0][0] or 0)
 
     def vectors(self, face_ids: Sequence[int], dimension: int) -> dict[int, NDArray[np.float32]]:
         """Embeddings of the faces that still exist, by id."""
