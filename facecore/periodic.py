@@ -20,10 +20,6 @@ class Periodic:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def start(self, interval_s: float) -> None:
         if self._thread is not None:
             return

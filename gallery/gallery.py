@@ -43,6 +43,15 @@ INLINE_WORK = 1 << 20
 MAX_LABELS = 100_000
 
 
+def _depth(k: int) -> int:
+    """Faces a first search fetches for ``k`` identities (widened later when too few identities)."""
+    return max(4 * k, 32)
+
+
+def _identities(best: list[list[tuple[int, float, int]]]) -> set[int]:
+    return {identity for row in best for identity, _, _ in row}
+
+
 @dataclass(frozen=True)
 class Candidate:
     identity_id: int
@@ -321,8 +330,13 @@ class Gallery:
     def cached_info(self, collection: str) -> CollectionInfo | None:
         """The collection as this gallery holds it, without touching the database or the lock
         (None when not loaded here yet). Safe from the event loop: copying the dict's values is atomic."""
-        entries = list(self._collections.values())
-        return next((entry.info for entry in entries if entry.info.name == collection), None)
+        entry = self._loaded(collection)
+        return None if entry is None else entry.info
+
+    def _loaded(self, collection: str) -> _Collection | None:
+        """The collection's entry when this gallery holds it, without the lock (copying the dict's values
+        is atomic)."""
+        return next((e for e in list(self._collections.values()) if e.info.name == collection), None)
 
     def collection_info(self, collection: str) -> CollectionInfo:
         """The collection, loading its index first when needed; ``NotFound`` when it does not exist."""
@@ -342,17 +356,14 @@ class Gallery:
         if embedding_model is not None:
             check_model(info, embedding_model)
         matrix = validate_embeddings(queries, info.dimension)
-        fetch = max(4 * k, 32) + len(exclude)
+        fetch = _depth(k) + len(exclude)
 
         def search(batch: NDArray[np.float32], depth: int) -> tuple[NDArray[Any], ...]:
             with self._lock:
                 return entry.index.search(batch, depth)
 
-        first = self.batcher.search(info.id, matrix, fetch, search)
-        best = [self._best_identities(entry, query, k, exclude, [a[row:row + 1] for a in first])
-                for row, query in enumerate(matrix)]
-        labels = self._labels_for({i for row in best for i, _, _ in row})
-        return self._results(best, labels, info.match_threshold if threshold is None else float(threshold))
+        best = self._ranked(entry, matrix, k, exclude, self.batcher.search(info.id, matrix, fetch, search))
+        return self._results(best, self._labels_for(_identities(best)), info, threshold)
 
     def search_inline(self, collection: str, queries: ArrayLike, k: int = 5, threshold: float | None = None
                       ) -> list[SearchResult] | None:
@@ -362,12 +373,12 @@ class Gallery:
         remembered. Then ``search`` (in a worker thread) answers, and remembers the labels."""
         if self.engine.shared or k < 1:
             return None
-        entry = next((e for e in list(self._collections.values()) if e.info.name == collection), None)
+        entry = self._loaded(collection)
         if entry is None:
             return None
         info = entry.info
         matrix = validate_embeddings(queries, info.dimension)
-        fetch = max(4 * k, 32)
+        fetch = _depth(k)
         if matrix.shape[0] * max(len(entry.index), fetch) * info.dimension > INLINE_WORK:
             return None
         if not self._lock.acquire(blocking=False):
@@ -375,20 +386,25 @@ class Gallery:
         try:
             if self._collections.get(info.id) is not entry:
                 return None  # replaced while this call looked
-            first = entry.index.search(matrix, fetch)
-            best = [self._best_identities(entry, query, k, frozenset(), [a[row:row + 1] for a in first])
-                    for row, query in enumerate(matrix)]
-            wanted = {i for row in best for i, _, _ in row}
+            best = self._ranked(entry, matrix, k, frozenset(), entry.index.search(matrix, fetch))
+            wanted = _identities(best)
             if not wanted <= self._labels.keys():
                 return None
             labels = {i: self._labels[i] for i in wanted}
         finally:
             self._lock.release()
-        return self._results(best, labels, info.match_threshold if threshold is None else float(threshold))
+        return self._results(best, labels, info, threshold)
+
+    def _ranked(self, entry: _Collection, matrix: NDArray[np.float32], k: int, exclude: AbstractSet[int],
+                first: tuple[NDArray[Any], ...]) -> list[list[tuple[int, float, int]]]:
+        """(identity, score, face) of the best ``k`` identities per query, from a first search's rows."""
+        return [self._best_identities(entry, query, k, exclude, [a[row:row + 1] for a in first])
+                for row, query in enumerate(matrix)]
 
     @staticmethod
-    def _results(best: list[list[tuple[int, float, int]]], labels: dict[int, tuple[str, str]], limit: float
-                 ) -> list[SearchResult]:
+    def _results(best: list[list[tuple[int, float, int]]], labels: dict[int, tuple[str, str]],
+                 info: CollectionInfo, threshold: float | None) -> list[SearchResult]:
+        limit = info.match_threshold if threshold is None else float(threshold)
         return [SearchResult([Candidate(i, *labels[i], score=s, face_id=f) for i, s, f in row if i in labels],
                              limit) for row in best]
 

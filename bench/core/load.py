@@ -79,10 +79,11 @@ def closed_loop(send: Callable[[], object], concurrency: int, seconds: float, wa
 class MultipartSender:
     """Callable for ``closed_loop``: POSTs one image as a multipart upload over one keep-alive
     ``http.client`` connection per thread. The body is encoded once: the load generator shares the
-    machine's cores with what it measures, so it spends as little CPU per request as it can (about a
-    tenth of what ``httpx`` spends building and parsing each request) and every target is measured
-    with the same sender. A response other than 200 raises (``closed_loop`` counts it as an error);
-    a kept-alive connection the server has closed is opened again once."""
+    machine's cores with what it measures, so it spends as little CPU per request as it can (0.5-0.7 ms
+    against 2.1-3.5 ms with an ``httpx`` client building and parsing each request, measured side by side
+    on a 2-core EPYC) and every target is measured with the same sender. A response other than 200
+    raises (``closed_loop`` counts it as an error); a kept-alive connection the server has closed is
+    opened again once."""
 
     def __init__(self, url: str, field_name: str, filename: str, data: bytes,
                  headers: Mapping[str, str] | None = None) -> None:
