@@ -24,7 +24,7 @@ import onnx
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from export.onnx_tools import save_checked, uint8_nhwc_input
+from export.onnx_tools import save_checked, split_output_weights, uint8_nhwc_input
 from export.precision import PrecisionCheck, choose_precisions
 from export.profiles import Batching, Profile, ProfileTuning
 from facecore.contract import (
@@ -196,13 +196,20 @@ def _in_process_parameters(detector: mc.ModelConfig, embedder: mc.ModelConfig) -
     return params
 
 
-def served_detector(spec: ModelSpec, source: Path, target: Path) -> ModelSpec:
+def served_detector(spec: ModelSpec, source: Path, target: Path, bf16_pairs: bool = False) -> ModelSpec:
     """Write the detector as served — uint8 NHWC input, the normalization inside the graph — to ``target``
-    and return its description (a detector that already takes uint8 is copied as it is)."""
-    if spec.input_layout is InputLayout.NHWC_UINT8:
+    and return its description (a detector that already takes uint8 is copied as it is). ``bf16_pairs``
+    (the CPU profiles, where OpenVINO may run it in bf16): its output layers' weights as bfloat16 pairs
+    (``export.onnx_tools.split_output_weights``), which the precision check then judges."""
+    if spec.input_layout is InputLayout.NHWC_UINT8 and not bf16_pairs:
         shutil.copyfile(source, target)
         return spec
-    model = uint8_nhwc_input(onnx.load(str(source)), spec.input_name, spec.swap_rb, spec.mean, spec.std)
+    model = onnx.load(str(source))
+    if spec.input_layout is not InputLayout.NHWC_UINT8:
+        model = uint8_nhwc_input(model, spec.input_name, spec.swap_rb, spec.mean, spec.std)
+    if bf16_pairs:
+        model, split = split_output_weights(model)
+        log.info("detector: %d output layer(s) carry their weights as bfloat16 pairs", split)
     save_checked(model, target)
     return replace(spec, input_layout=InputLayout.NHWC_UINT8)
 
@@ -215,7 +222,8 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
     tuning = plan.effective_tuning
     with tempfile.TemporaryDirectory() as staging:
         served_file = Path(staging) / "detector.onnx"
-        detector = served_detector(plan.detector, detector_file, served_file)
+        detector = served_detector(plan.detector, detector_file, served_file,
+                                   bf16_pairs=plan.profile.on_cpu)
         checks: dict[str, PrecisionCheck] = {}
         if plan.profile is Profile.NGC_CPU or (plan.profile is Profile.CPU
                                                 and tuning.runtime == Runtime.OPENVINO):

@@ -29,9 +29,10 @@ from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.openvino_runtime import bf16_supported
 from facecore.processing import letterbox
 
-#: The embedder precision the export chooses on this machine: bf16 where the CPU executes it natively
-#: (AVX-512 BF16 or AMX) and the export's check passes, f32 elsewhere (an AVX2-only CPU).
-EMBEDDER_PRECISION = "bf16" if bf16_supported() else "f32"
+#: The precision the export chooses for both networks on this machine: bf16 where the CPU executes it
+#: natively (AVX-512 BF16 or AMX) and the export's check passes (the detector with its output layers'
+#: weights as bfloat16 pairs), f32 elsewhere (an AVX2-only CPU).
+PRECISION = "bf16" if bf16_supported() else "f32"
 
 
 def test_the_recorded_report_is_rendered_from_its_results() -> None:
@@ -154,8 +155,8 @@ def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path
                                                           log_file)) for v in naive.VARIANTS]
         health = {s.variant: s.health or {} for s in servers}
         assert health["served"]["dynamic_input"] and health["served"]["embedder_prelu_nodes"] == 0
-        assert health["served"]["detector_runtime"] == "openvino:f32"  # bf16 refused by the export's check
-        assert health["served"]["embedder_runtime"] == f"openvino:{EMBEDDER_PRECISION}"
+        assert health["served"]["detector_runtime"] == f"openvino:{PRECISION}"
+        assert health["served"]["embedder_runtime"] == f"openvino:{PRECISION}"
         assert health["served"]["detector_input_layout"] == "nhwc_uint8"
         assert health["served-onnxruntime"]["embedder_runtime"] == "onnxruntime:f32"
         assert not health["plain"]["dynamic_input"] and health["plain"]["embedder_prelu_nodes"] > 0
@@ -333,7 +334,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert variants[("obama.jpg", "plain")]["runtime"] == "onnxruntime f32"
     assert variants[("obama.jpg", "onnxruntime")]["runtime"] == "onnxruntime f32"
     served = variants[("obama.jpg", "served")]["runtime"]
-    assert served == f"openvino: detector f32, embedder {EMBEDDER_PRECISION}"
+    assert served == f"openvino: detector {PRECISION}, embedder {PRECISION}"
     assert all(variants[("obama.jpg", v)]["images_per_s"] > 0 for v in ("served", "onnxruntime"))
     assert "plain: PReLU kept" in body
 

@@ -17,9 +17,10 @@ from bench.stack import MemoryRun
 from facecore.openvino_runtime import bf16_supported
 from facecore.runtimes import Runtime
 
-#: The embedder precision the export chooses on this machine: bf16 where the CPU executes it natively
-#: (AVX-512 BF16 or AMX) and the export's check passes, f32 elsewhere (an AVX2-only CPU).
-EMBEDDER_PRECISION = "bf16" if bf16_supported() else "f32"
+#: The precision the export chooses for both networks on this machine: bf16 where the CPU executes it
+#: natively (AVX-512 BF16 or AMX) and the export's check passes (the detector with its output layers'
+#: weights as bfloat16 pairs), f32 elsewhere (an AVX2-only CPU).
+PRECISION = "bf16" if bf16_supported() else "f32"
 
 
 def _ceiling(photo: str, variant: str, runtime: str, images_per_s: float, models_ms: float) -> PhotoCeiling:
@@ -129,7 +130,7 @@ def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Pa
                                                              cpu_repository: Path) -> None:
     models = served_models(cpu_repository)
     served = models.embedder_runtime
-    assert served.runtime is Runtime.OPENVINO and served.precision == EMBEDDER_PRECISION
+    assert served.runtime is Runtime.OPENVINO and served.precision == PRECISION
     ort = models.on_runtime(Runtime.ONNXRUNTIME)
     assert ort.runtime == "onnxruntime f32" and ort.embedder_file == models.embedder_file
     options = ceiling.CeilingOptions(seconds=0.3, repeats=1, split_repeats=1, detector_batches=(1,),
@@ -137,10 +138,10 @@ def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Pa
     rows = ceiling.run(models, {"obama.jpg": photos["obama.jpg"].read_bytes()}, options)
     by_variant = {r.variant: r for r in rows}
     assert set(by_variant) == {"served", "onnxruntime"}
-    assert by_variant["served"].runtime == f"openvino: detector f32, embedder {EMBEDDER_PRECISION}"
+    assert by_variant["served"].runtime == f"openvino: detector {PRECISION}, embedder {PRECISION}"
     assert by_variant["onnxruntime"].runtime == "onnxruntime f32"
     for row in rows:
         assert row.faces == 1 and row.images_per_s > 0 and row.single_image_ms > 0
     text = ceiling.summary_table(rows)
-    assert f"| openvino: detector f32, embedder {EMBEDDER_PRECISION} |" in text
+    assert f"| openvino: detector {PRECISION}, embedder {PRECISION} |" in text
     assert "| onnxruntime f32 |" in text

@@ -18,7 +18,10 @@ from export.onnx_tools import (
     describe,
     fold_weight_dequantization,
     make_batch_dynamic,
+    output_layers,
     save_checked,
+    split_output_weights,
+    to_bfloat16,
     uint8_nhwc_input,
 )
 from facecore.onnx_runtime import create_session
@@ -342,3 +345,72 @@ def test_uint8_nhwc_detector_input_equals_the_float_path(default_models: Default
         got = session.run(None, {spec.input_name: pixels})
         for a, b in zip(expected, got, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_to_bfloat16_rounds_to_nearest_even_like_ml_dtypes() -> None:
+    import ml_dtypes
+
+    rng = np.random.default_rng(11)
+    values = np.concatenate([rng.normal(size=10_000).astype(np.float32) * 10.0 ** rng.integers(-6, 6, 10_000),
+                             np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.0e38, 1e-40], np.float32)])
+    expected = values.astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = to_bfloat16(values)
+    np.testing.assert_array_equal(got, expected)
+    assert not (got.view(np.uint32) & 0xFFFF).any()
+
+
+def test_output_layers_are_the_weighted_nodes_next_to_the_outputs(default_models: DefaultModels) -> None:
+    """RetinaFace: the nine 1x1 convolutions of its class, box and landmark heads (three levels each), reached
+    through the transposes, reshapes (and their Shape-computed sizes), concatenations and softmax."""
+    model = onnx.load(str(default_models.detector_file))
+    names = sorted(node.name for node in output_layers(model))
+    assert len(names) == 9
+    assert all(name.startswith(("/class_head/", "/bbox_head/", "/landmark_head/")) for name in names), names
+    # A chain of two weighted layers before an output: only the last counts.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    weights = [numpy_helper.from_array(np.ones((4, 4), np.float32), "w1"),
+               numpy_helper.from_array(np.ones((4, 3), np.float32), "w2")]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
+                               helper.make_node("Relu", ["h"], ["r"], name="relu"),
+                               helper.make_node("MatMul", ["r", "w2"], ["y"], name="last")],
+                              "chain", [x], [y], weights)
+    assert [n.name for n in output_layers(helper.make_model(graph))] == ["last"]
+
+
+def test_bfloat16_weight_pairs_change_nothing_in_f32(default_models: DefaultModels, tmp_path: Path) -> None:
+    """The split detector gives the original's outputs in f32 (ONNX Runtime); every high half is a
+    bfloat16 value and high + low is the original weight exactly."""
+    original = onnx.load(str(default_models.detector_file))
+    weights = {init.name: numpy_helper.to_array(init) for init in original.graph.initializer}
+    heads = {node.input[1] for node in output_layers(original)}
+    split, count = split_output_weights(onnx.load(str(default_models.detector_file)))
+    assert count == 9
+    after = {init.name: numpy_helper.to_array(init) for init in split.graph.initializer}
+    for name in heads:
+        high, low = after[name], after[f"{name}__bf16_low"]
+        assert not (high.view(np.uint32) & 0xFFFF).any()
+        np.testing.assert_array_equal(high + low, weights[name])
+        assert np.abs(low).max() > 0  # the rounding is not a no-op on these weights
+    path = save_checked(split, tmp_path / "split.onnx")
+    pixels = np.random.default_rng(4).normal(0, 60, (2, 3, 192, 256)).astype(np.float32)
+    spec = default_models.detector
+    expected = create_session(default_models.detector_file).run(None, {spec.input_name: pixels})
+    got = create_session(path).run(None, {spec.input_name: pixels})
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_split_layer_with_a_bias_adds_it_once() -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    rng = np.random.default_rng(6)
+    w, b = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="fc")], "fc", [x], [y],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model, count = split_output_weights(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                          ir_version=IR_VERSION))
+    assert count == 1 and [n.op_type for n in model.graph.node] == ["Gemm", "Gemm", "Add"]
+    feed = rng.normal(size=(2, 4)).astype(np.float32)
+    got = ReferenceEvaluator(model).run(None, {"x": feed})[0]
+    np.testing.assert_allclose(got, feed @ w + b, rtol=1e-5, atol=1e-6)

@@ -131,3 +131,22 @@ def test_an_openvino_runner_infers_once_per_call(default_models: DefaultModels,
     loc, conf, landmarks = run(batch)
     assert len(calls) == 1
     assert (loc.shape[-1], conf.shape[-1], landmarks.shape[-1]) == (4, 2, 10)
+
+
+@pytest.mark.skipif(not ov_runtime.bf16_supported(),
+                    reason="this CPU has no native bfloat16 (AVX-512 BF16 or AMX): OpenVINO runs f32 here")
+def test_the_bf16_detector_passes_only_with_its_output_weights_as_pairs(
+        default_models: DefaultModels, photos: dict[str, Path], tmp_path: Path) -> None:
+    """The real bf16 detector as the export checks it (every photo, three scales, the served reduced decode):
+    with plain bf16 weights a small face's landmarks move and the check refuses it; with the heads' weights
+    as bfloat16 pairs it passes with a margin."""
+    m = default_models
+    reference = precision.Reference.build(m.detector, m.detector_file, m.embedder, m.embedder_file,
+                                          precision.check_images(photos, decode_min_side=640))
+    choice = RuntimeChoice(Runtime.OPENVINO, "bf16", 1)
+    plain = served_detector(m.detector, m.detector_file, tmp_path / "plain.onnx")
+    paired = served_detector(m.detector, m.detector_file, tmp_path / "paired.onnx", bf16_pairs=True)
+    refused = precision.check_detector(reference, plain, tmp_path / "plain.onnx", choice)
+    accepted = precision.check_detector(reference, paired, tmp_path / "paired.onnx", choice)
+    assert not refused.passed and refused.worst_cosine < precision.PIPELINE_COSINE, refused
+    assert accepted.passed and accepted.worst_cosine > 0.995 and accepted.worst_iou > 0.98, accepted
