@@ -7,12 +7,12 @@ measured over gRPC with real photos: p50/p99 at concurrency 1, throughput at con
 peak resident memory (PSS) of Triton's tree at concurrency 16 (a candidate above ``--memory-mib``,
 default 1536, is not kept).
 The search is coordinate descent from the current default: one dimension at a time (the runtime,
-OpenVINO or ONNX Runtime; the layout, BLS or the two networks inside face_pipeline; instances x threads
-per network; pipeline instances; preferred batch sizes and queue delay; detector input size; decode
-path), keeping a change when throughput at concurrency 8 improves by more than the noise margin, or
-stays within it while Triton's tree needs clearly less memory (``MEMORY_GAIN``) or a lone request is
-answered clearly sooner (p50 at concurrency 1, ``LATENCY_GAIN``), as long as p99 at concurrency 8 stays
-within the budget. The winner is written to
+OpenVINO or ONNX Runtime; the layout, BLS or the two networks inside face_pipeline; the threads a lone
+request gets; instances x threads per network; pipeline instances; preferred batch sizes and queue
+delay; detector input size; decode path), keeping a change when throughput at concurrency 8 improves by
+more than the noise margin, or stays within it while Triton's tree needs clearly less memory
+(``MEMORY_GAIN``) or a lone request is answered clearly sooner (p50 at concurrency 1, ``LATENCY_GAIN``),
+as long as p99 at concurrency 8 stays within the budget. The winner is written to
 ``export/tuning/cpu.json`` (the default from then on) and into ``model_repository/cpu``; ``--dry-run``
 measures and reports only (for a noisy machine), ``--dimensions`` sweeps only the named ones.
 
@@ -87,6 +87,10 @@ DIMENSIONS: dict[str, dict[str, Mutation]] = {
     "layout": {
         "BLS: face_pipeline calls face_detector / face_embedder": lambda t: replace(t, layout="bls"),
         "in_process: both networks inside face_pipeline": lambda t: replace(t, layout="in_process"),
+    },
+    "solo threads": {
+        "a lone request on one thread per network (solo threads off)": lambda t: replace(t, solo_threads=0),
+        "a lone request on 2 threads per network": lambda t: replace(t, solo_threads=2),
     },
     "spinning": {
         "ONNX Runtime threads do not spin": lambda t: replace(t, spinning=False),
@@ -199,6 +203,8 @@ def applies(dimension: str, tuning: ProfileTuning) -> bool:
     the ones face_pipeline's networks use: that dimension stays.)"""
     if dimension == "spinning":
         return tuning.runtime == "onnxruntime"
+    if dimension == "solo threads":
+        return tuning.layout == "in_process"
     return True
 
 

@@ -62,6 +62,10 @@ class ProfileTuning:
     #: CPU profile: ``bls`` (face_pipeline calls the face_detector / face_embedder models) or
     #: ``in_process`` (face_pipeline runs both networks itself; the two models stay for re-embedding).
     layout: str = "bls"
+    #: ``in_process`` layout: threads per network for a request met while no other face_pipeline instance
+    #: is working (each network is then compiled twice: this many threads, capped at the usable CPUs, and
+    #: its own count for calls side by side); 0: always the network's own count.
+    solo_threads: int = 0
     #: face_pipeline parameters (PipelineSettings fields as strings), e.g. {"decode_min_side": "1280"}.
     pipeline_options: dict[str, str] = field(default_factory=dict)
 

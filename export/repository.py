@@ -184,9 +184,11 @@ def _runtime_parameters(plan: RepositoryPlan, role: str, precision: PrecisionChe
     return params
 
 
-def _in_process_parameters(detector: mc.ModelConfig, embedder: mc.ModelConfig) -> dict[str, str]:
-    """face_pipeline's parameters for running the two networks itself, as their own configs say."""
-    params = {"layout": "in_process"}
+def _in_process_parameters(detector: mc.ModelConfig, embedder: mc.ModelConfig, solo_threads: int
+                           ) -> dict[str, str]:
+    """face_pipeline's parameters for running the two networks itself, as their own configs say, and the
+    threads a network gets for a request met while no other instance works (``solo_threads``)."""
+    params = {"layout": "in_process", "solo_threads": str(solo_threads)}
     for role, config in (("detector", detector), ("embedder", embedder)):
         values = config.parameters
         params |= {f"{role}_runtime": values["runtime"].string_value,
@@ -253,7 +255,7 @@ def write_repository(plan: RepositoryPlan, out: Path, detector_file: Path, embed
         in_process = plan.profile is Profile.CPU and tuning.layout == "in_process"
         if in_process:  # face_pipeline runs both networks itself (the models stay, for re-embedding)
             _set_parameters(models[PIPELINE_MODEL][0], _in_process_parameters(
-                models[DETECTOR_MODEL][0], models[EMBEDDER_MODEL][0]))
+                models[DETECTOR_MODEL][0], models[EMBEDDER_MODEL][0], tuning.solo_threads))
         for name, (config, _) in models.items():
             _check_compatible(out / name, config)
         for name, (config, onnx_file) in models.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -49,15 +50,25 @@ def usable_precision(wanted: Precision) -> Precision:
 def compile_model(path: str | Path, precision: Precision, threads: int = 0) -> ov.CompiledModel:
     """A CPU compiled model: one stream (Triton runs instances in parallel), ``threads`` 0 = all cores,
     latency hint, and the precision set explicitly."""
-    config: dict[str, Any] = {
-        "INFERENCE_PRECISION_HINT": precision.value,
-        "PERFORMANCE_HINT": "LATENCY",
-        "NUM_STREAMS": 1,
-        "ENABLE_CPU_PINNING": False,  # several processes share the cores: do not pin threads
-    }
-    if threads > 0:
-        config["INFERENCE_NUM_THREADS"] = threads
-    return core().compile_model(core().read_model(str(path)), "CPU", config)
+    return compile_models(path, precision, [threads])[0]
+
+
+def compile_models(path: str | Path, precision: Precision, threads: Sequence[int]) -> list[ov.CompiledModel]:
+    """The network compiled once per thread count, from one read of the file (the copies then hold only
+    their compiled form: ~50 MB less per extra SFace copy than reading the file again)."""
+    model = core().read_model(str(path))
+    compiled = []
+    for count in threads:
+        config: dict[str, Any] = {
+            "INFERENCE_PRECISION_HINT": precision.value,
+            "PERFORMANCE_HINT": "LATENCY",
+            "NUM_STREAMS": 1,
+            "ENABLE_CPU_PINNING": False,  # several processes share the cores: do not pin threads
+        }
+        if count > 0:
+            config["INFERENCE_NUM_THREADS"] = count
+        compiled.append(core().compile_model(model, "CPU", config))
+    return compiled
 
 
 class Network:

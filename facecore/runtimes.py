@@ -6,8 +6,9 @@ in-process layout), the export's precision checks and the benchmarks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -37,29 +38,56 @@ class RuntimeChoice:
     spinning: bool = True  # ONNX Runtime: idle worker threads busy-wait
 
 
-def runner(path: str | Path, output_names: Sequence[str], choice: RuntimeChoice) -> Runner:
+@dataclass(frozen=True)
+class Solo:
+    """A second copy of a network with more threads, for the calls made while ``alone()`` says no other
+    instance is working (a lone request gets every core; requests side by side keep one thread each)."""
+
+    threads: int
+    alone: Callable[[], bool]
+
+
+def runner(path: str | Path, output_names: Sequence[str], choice: RuntimeChoice, solo: Solo | None = None
+           ) -> Runner:
+    """The network at ``path`` on the chosen runtime; with ``solo`` (more threads than ``choice``), compiled
+    twice — from one read of the file on OpenVINO — and each call runs the copy that fits the moment."""
+    counts = [choice.threads] + ([solo.threads] if solo is not None and solo.threads > choice.threads else [])
     if choice.runtime is Runtime.OPENVINO:
-        from facecore.openvino_runtime import Network, Precision, compile_model, usable_precision
+        from facecore.openvino_runtime import Precision, compile_models, usable_precision
 
-        compiled = compile_model(path, usable_precision(Precision(choice.precision)), choice.threads)
-        names = [output.get_any_name() for output in compiled.outputs]
-        order = [names.index(name) for name in output_names]
-        network = Network(compiled)
+        compiled = compile_models(path, usable_precision(Precision(choice.precision)), counts)
+        runs = [_openvino_runner(c, output_names) for c in compiled]
+    else:
+        runs = [_onnxruntime_runner(path, output_names, replace(choice, threads=n)) for n in counts]
+    if len(runs) == 1 or solo is None:
+        return runs[0]
+    return either(solo.alone, runs[1], runs[0])
 
-        def run(batch: np.ndarray[Any, Any]) -> list[FloatArray]:
-            outputs = network(batch)  # one inference, its outputs in ``output_names`` order
-            return [outputs[i] for i in order]
 
-        return run
+def _openvino_runner(compiled: Any, output_names: Sequence[str]) -> Runner:
+    from facecore.openvino_runtime import Network
+
+    names = [output.get_any_name() for output in compiled.outputs]
+    order = [names.index(name) for name in output_names]
+    network = Network(compiled)
+
+    def run(batch: np.ndarray[Any, Any]) -> list[FloatArray]:
+        outputs = network(batch)  # one inference, its outputs in ``output_names`` order
+        return [outputs[i] for i in order]
+
+    return run
+
+
+def _onnxruntime_runner(path: str | Path, output_names: Sequence[str], choice: RuntimeChoice) -> Runner:
     session = create_session(path, intra_op_threads=choice.threads, spinning=choice.spinning)
     input_name = session.get_inputs()[0].name
     names = list(output_names)
     return lambda batch: [np.asarray(o, dtype=np.float32) for o in session.run(names, {input_name: batch})]
 
 
-def detector(spec: ModelSpec, path: str | Path, choice: RuntimeChoice) -> Detector:
-    """A ``facecore.pipeline.Detector`` on the chosen runtime."""
-    run = runner(path, spec.output_names, choice)
+def detector(spec: ModelSpec, path: str | Path, choice: RuntimeChoice, solo: Solo | None = None) -> Detector:
+    """A ``facecore.pipeline.Detector`` on the chosen runtime (see ``runner`` for ``solo``)."""
+    run = runner(path, spec.output_names, choice, solo)
 
     def detect(batch: NetworkInput) -> tuple[FloatArray, FloatArray, FloatArray]:
         loc, conf, landmarks = run(batch)
@@ -68,11 +96,26 @@ def detector(spec: ModelSpec, path: str | Path, choice: RuntimeChoice) -> Detect
     return detect
 
 
-def embedder(spec: ModelSpec, path: str | Path, choice: RuntimeChoice) -> Embedder:
-    """A ``facecore.pipeline.Embedder`` on the chosen runtime."""
-    run = runner(path, spec.output_names, choice)
+def embedder(spec: ModelSpec, path: str | Path, choice: RuntimeChoice, solo: Solo | None = None) -> Embedder:
+    """A ``facecore.pipeline.Embedder`` on the chosen runtime (see ``runner`` for ``solo``)."""
+    run = runner(path, spec.output_names, choice, solo)
 
     def embed(batch: NetworkInput) -> FloatArray:
         return run(batch)[0]
 
     return embed
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's CPU set, not the host's count)."""
+    return len(os.sched_getaffinity(0))
+
+
+def either(alone: Callable[[], bool], solo: Runner, shared: Runner) -> Runner:
+    """``solo`` for a call made while ``alone()`` says no other instance is working, ``shared`` otherwise.
+    Asked at every call, so a request's detector and embedder calls each follow the load of the moment."""
+
+    def run(batch: np.ndarray[Any, Any]) -> list[FloatArray]:
+        return (solo if alone() else shared)(batch)
+
+    return run

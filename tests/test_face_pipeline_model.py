@@ -236,3 +236,45 @@ def test_reduced_decode_reports_original_pixels(
     np.testing.assert_allclose(reduced.output("LANDMARKS"), full.output("LANDMARKS"), atol=8)
     cosine = float(np.sum(reduced.output("EMBEDDINGS")[0, 0] * full.output("EMBEDDINGS")[0, 0]))
     assert cosine > 0.9  # the same face, decoded at half resolution
+
+
+def test_a_lone_request_gets_the_solo_threads_and_a_crowded_one_its_own(
+    fake_pb_utils: ModuleType, cpu_repository: Path, photo_bytes: dict[str, bytes], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The in_process layout with solo_threads: each network compiled twice (2 threads and its own 1); a
+    request met while no other instance works runs the 2-thread copies, one met while another instance
+    executes runs the 1-thread copies; the board's file goes with the last instance."""
+    import facecore.occupancy as occupancy
+    import facecore.openvino_runtime as ov_runtime
+    import facecore.runtimes as runtimes
+
+    monkeypatch.setattr(occupancy, "default_folder", lambda: tmp_path)
+    monkeypatch.setattr(runtimes, "usable_cpus", lambda: 2)
+    threads_used: list[int] = []
+    real_run = ov_runtime.Network.run
+
+    def recorded(self: ov_runtime.Network, batch: np.ndarray) -> list[np.ndarray]:  # type: ignore[type-arg]
+        threads_used.append(int(self._compiled.get_property("INFERENCE_NUM_THREADS")))
+        return real_run(self, batch)
+
+    monkeypatch.setattr(ov_runtime.Network, "run", recorded)
+    model = load_model_module(PIPELINE_SOURCE, "face_pipeline_solo").TritonPythonModel()
+    config = with_parameters(_config(cpu_repository, "face_pipeline"), layout="in_process", solo_threads="2",
+                             detector_threads="1", embedder_threads="1", detector_runtime="openvino",
+                             embedder_runtime="openvino")
+    model.initialize({"model_config": config, "model_version": "1", "model_name": "face_pipeline",
+                      "model_repository": str(cpu_repository / "face_pipeline"),
+                      "model_instance_name": "face_pipeline_0_0"})
+    alone = model.execute([request(photo_bytes["obama.jpg"])])[0]
+    assert threads_used == [2, 2]  # detector, embedder
+    threads_used.clear()
+    other = occupancy.Occupancy.of_instance("face_pipeline", "face_pipeline_0_1")
+    with other.executing():
+        crowded = model.execute([request(photo_bytes["obama.jpg"])])[0]
+    assert threads_used == [1, 1]
+    cosine = float(np.sum(alone.output("EMBEDDINGS")[0, 0] * crowded.output("EMBEDDINGS")[0, 0]))
+    assert cosine > 0.9999  # the same networks, only the thread count differs
+    other.close()
+    model.finalize()
+    assert not list(tmp_path.glob("*.occupancy"))

@@ -150,3 +150,34 @@ def test_the_bf16_detector_passes_only_with_its_output_weights_as_pairs(
     accepted = precision.check_detector(reference, paired, tmp_path / "paired.onnx", choice)
     assert not refused.passed and refused.worst_cosine < precision.PIPELINE_COSINE, refused
     assert accepted.passed and accepted.worst_cosine > 0.995 and accepted.worst_iou > 0.98, accepted
+
+
+@pytest.mark.parametrize("runtime", [Runtime.OPENVINO, Runtime.ONNXRUNTIME])
+def test_a_solo_copy_runs_while_alone_and_reads_the_file_once(default_models: DefaultModels, runtime: Runtime,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``runner`` with ``Solo``: two copies of the network (1 and 2 threads; on OpenVINO compiled from one
+    read of the file), the 2-thread one for calls made while ``alone()``; both give the same outputs."""
+    from facecore.runtimes import Solo, runner
+
+    real_core = ov_runtime.core()
+    reads: list[str] = []
+
+    class Counting:
+        def read_model(self, path: str) -> object:
+            reads.append(path)
+            return real_core.read_model(path)
+
+        def compile_model(self, *args: object) -> object:
+            return real_core.compile_model(*args)
+
+    monkeypatch.setattr(ov_runtime, "core", lambda: Counting())
+    alone = [True]
+    spec = default_models.embedder
+    run = runner(default_models.embedder_file, spec.output_names, RuntimeChoice(runtime, "f32", 1),
+                 Solo(2, lambda: alone[0]))
+    batch = np.random.default_rng(1).uniform(0, 255, (2, 3, 112, 112)).astype(np.float32)
+    solo = run(batch)[0]
+    alone[0] = False
+    shared = run(batch)[0]
+    np.testing.assert_allclose(solo, shared, rtol=1e-4, atol=1e-4)
+    assert reads == ([str(default_models.embedder_file)] if runtime is Runtime.OPENVINO else [])

@@ -9,6 +9,8 @@ A request with a bad image or bad settings gets its own INVALID_ARG error; the o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from numpy.typing import NDArray
 
 from facecore import runtimes
 from facecore.contract import Faces, Input, RequestOptions
+from facecore.occupancy import Occupancy
 from facecore.pipeline import (
     Detector,
     Embedder,
@@ -36,7 +39,7 @@ from facecore.processing import (
     postprocess_detections,
     prior_boxes,
 )
-from facecore.runtimes import Runtime, RuntimeChoice
+from facecore.runtimes import Runtime, RuntimeChoice, Solo
 from facecore.triton_config import parameters
 
 
@@ -109,17 +112,22 @@ def warm_up_python(settings: PipelineSettings) -> None:
         decode_image(encoded.tobytes(), settings.max_pixels)
 
 
-def in_process_networks(params: dict[str, str], version_dir: Path, settings: PipelineSettings
-                        ) -> tuple[Detector, Embedder]:
-    """The ``in_process`` layout: both networks run in this process, from files beside this model.py."""
+def in_process_networks(params: dict[str, str], version_dir: Path, settings: PipelineSettings,
+                        alone: Callable[[], bool]) -> tuple[Detector, Embedder]:
+    """The ``in_process`` layout: both networks run in this process, from files beside this model.py.
+
+    With ``solo_threads`` above a network's threads, the network is compiled a second time with that many
+    threads (at most the usable CPUs), used for a call made while ``alone()``: no other instance working.
+    """
+    spinning = params.get("intra_op_spinning", "true") == "true"
+    solo = Solo(min(int(params.get("solo_threads", "0")), runtimes.usable_cpus()), alone)
 
     def choice(role: str) -> RuntimeChoice:
-        spinning = params.get("intra_op_spinning", "true") == "true"
         return RuntimeChoice(Runtime(params[f"{role}_runtime"]), params[f"{role}_precision"],
                              int(params[f"{role}_threads"]), spinning)
 
-    return (runtimes.detector(settings.detector, version_dir / "detector.onnx", choice("detector")),
-            runtimes.embedder(settings.embedder, version_dir / "embedder.onnx", choice("embedder")))
+    return (runtimes.detector(settings.detector, version_dir / "detector.onnx", choice("detector"), solo),
+            runtimes.embedder(settings.embedder, version_dir / "embedder.onnx", choice("embedder"), solo))
 
 
 class TritonPythonModel:
@@ -130,10 +138,18 @@ class TritonPythonModel:
         self.detector_io = (detector.input_name, list(detector.output_names))
         self.embedder_io = (embedder.input_name, list(embedder.output_names))
         self.local: tuple[Detector, Embedder] | None = None
+        self.occupancy: Occupancy | None = None
         if params.get("layout") == "in_process":
             version_dir = Path(args["model_repository"]) / str(args["model_version"])
-            self.local = in_process_networks(params, version_dir, self.settings)
+            if int(params.get("solo_threads", "0")) > 0:
+                self.occupancy = Occupancy.of_instance(args["model_name"], args["model_instance_name"])
+            alone = self.occupancy.alone if self.occupancy is not None else (lambda: False)
+            self.local = in_process_networks(params, version_dir, self.settings, alone)
         warm_up_python(self.settings)
+
+    def finalize(self) -> None:
+        if self.occupancy is not None:
+            self.occupancy.close()
 
     def detect(self, batch: NetworkInput) -> tuple[FloatArray, FloatArray, FloatArray]:
         if self.local is not None:
@@ -156,6 +172,10 @@ class TritonPythonModel:
         return out
 
     def execute(self, requests: list[Any]) -> list[Any]:
+        with self.occupancy.executing() if self.occupancy is not None else nullcontext():
+            return self.run(requests)
+
+    def run(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
         accepted: list[tuple[int, ImageArray, tuple[int, int], DetectOptions, bool]] = []
         for index, request in enumerate(requests):
