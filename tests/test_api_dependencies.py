@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from fastapi.routing import APIRoute
 
 from service.app import ROUTERS
@@ -30,3 +31,18 @@ def test_no_route_dependency_needs_a_thread_pool_hop() -> None:
     hopping = sorted({f"{route.path}: {getattr(call, '__qualname__', call)}" for route in routes
                       for call in _calls(route.dependant) if not _on_the_loop(call)})
     assert hopping == []
+
+
+def test_fastapis_own_telemetry_is_off(tmp_path: Any) -> None:
+    """FastAPI 0.16x's OpenTelemetry hooks looked up the tracer and meter providers on every request (the
+    gateway has its own Prometheus metrics and access log): they are switched off where FastAPI has them."""
+    from fastapi import FastAPI
+
+    from service.app import create_app
+    from tests.api_fixtures import make_settings
+
+    app = create_app(make_settings("127.0.0.1:1", f"sqlite:///{tmp_path}/g.db", tmp_path, "k" * 32))
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        pytest.skip("this FastAPI has no native telemetry")
+    config = app._telemetry  # type: ignore[attr-defined]
+    assert (config["tracing"], config["metrics"], config["logs"]) == (False, False, False)
