@@ -112,16 +112,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.dispose()
 
 
-#: Every router the app serves, in order; the last two are the CompreFace- and DeepStack-compatible APIs
-#: (docs/compat.md).
 #: FastAPI 0.16x's own OpenTelemetry hooks (off: the gateway has its Prometheus metrics and access log;
 #: when on, every request looked up the tracer and meter providers, ~2 % of the gateway's time).
 _NO_NATIVE_TELEMETRY: dict[str, Any] = (
     {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
-#: In the order a request's path is matched against them: the recognition calls (identify, detect,
-#: verify: nearly every request) first, so a request tries one router's routes rather than four.
+#: Every router the app serves, in the order a request's path is matched against them: the recognition
+#: calls (identify, detect, verify: nearly every request) first, so a request tries one router's routes
+#: rather than four; the last two are the CompreFace- and DeepStack-compatible APIs (docs/compat.md).
 ROUTERS = (recognition.router, health.router, collections.router, identities.router, demo.router,
            compreface.router, deepstack.router)
 
