@@ -33,11 +33,11 @@ def default_folder() -> Path:
 
 
 def instance_slot(instance_name: str) -> int:
-    """The slot of a Triton instance name (``face_pipeline_0_2`` -> 2): the number it ends with."""
+    """The slot of a Triton instance name (``face_pipeline_0_2`` -> 2): the number it ends with, or, for a
+    name without one, this process's id (two instances sharing a slot would only see each other as
+    idle: more threads than cores for a while, never a wrong answer)."""
     match = re.search(r"(\d+)$", instance_name)
-    if match is None:
-        raise ValueError(f"an instance name ending with its index is expected, got {instance_name!r}")
-    return int(match.group(1)) % SLOTS
+    return (int(match.group(1)) if match is not None else os.getpid()) % SLOTS
 
 
 def remove_stale(folder: Path) -> list[Path]:
