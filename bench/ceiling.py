@@ -316,6 +316,9 @@ class PhotoCeiling:
     #: baseline's work)
     variant: str = "served"
     runtime: str = "onnxruntime f32"  # ServedModels.runtime (results before OpenVINO: ONNX Runtime)
+    #: 2 when ``second_pass`` measured the split and the layouts again at the end of the run (each keeps
+    #: the better of the two passes)
+    passes: int = 1
 
     @property
     def single_image_ms(self) -> float:
@@ -436,6 +439,44 @@ def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
     return out
 
 
+#: The variants a second pass measures again: the two the targets compare (served and ONNX Runtime).
+SECOND_PASS = ("served", "onnxruntime")
+
+
+def second_pass(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
+                rows: Sequence[PhotoCeiling]) -> None:
+    """Measure the stage split and every layout of the served and ONNX Runtime rows again (``python -m
+    bench`` does it after the stack and the memory run) and keep, for each, the better of the two passes.
+
+    A ceiling is the best a server could reach, and noise only slows a measurement down; on a shared
+    machine whose speed drifts by 10-20 % from one minute to the next, one pass taken in a slow minute set
+    a ceiling the served stack then "beat". Both runtimes get the second pass, so their ratio stays fair.
+    The batch sweeps are not repeated: the layouts keep the batch sizes the first pass chose."""
+    ort = models.on_runtime(Runtime.ONNXRUNTIME)
+    for row in rows:
+        if row.variant not in SECOND_PASS or row.photo not in photos:
+            continue
+        run_models = models if row.variant == "served" else ort
+        settings = models.settings
+        data = photos[row.photo]
+        log.info("%s, %s: second pass", row.photo, row.runtime)
+        for index, old in enumerate(row.splits):
+            new = stage_split(run_models, settings, data, old.threads, options.split_repeats)
+            if new.total_ms < old.total_ms:
+                row.splits[index] = new
+        for layout in row.layouts:
+            run_settings = replace(settings, detector_max_batch=layout.detector_batch,
+                                   embedder_max_batch=layout.embedder_batch)
+            threads = layout.threads
+            job = WorkerJob(data, run_settings, run_models.detector_file, run_models.embedder_file,
+                            run_models.detector_choice(threads), run_models.embedder_choice(threads),
+                            layout.images_per_call, options.seconds)
+            images_per_s, cpu_ms = end_to_end(job, layout.processes)
+            if images_per_s > layout.images_per_s:
+                layout.images_per_s, layout.cpu_ms_per_image = images_per_s, cpu_ms
+        row.passes = 2
+
+
 # --- report -----------------------------------------------------------------------------------------------
 
 
@@ -514,7 +555,10 @@ Rows marked *fixed 640x640* letterbox every image to the full detector input ins
 image (the detector's ms per image grow with its pixels); *PReLU embedder* rows run ONNX Runtime with the
 original float NCHW detector file and SFace as converted without the PReLU rewrite: the plain naive
 baseline's work (compare the embedder rows of the
-sweeps and the *embedder* column of the split).
+sweeps and the *embedder* column of the split). In `python -m bench`, the served and ONNX Runtime rows are
+measured twice, at the start of the run and again after the stack and the memory run, and show the better
+pass of each (shortest single image, most images/s): noise only slows a measurement down, and this machine's
+speed drifts from one minute to the next.
 """
 
 
