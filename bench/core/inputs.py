@@ -102,8 +102,14 @@ def served_models(repository: Path = REPOSITORY) -> ServedModels:
     newest versions, runtime and precision per network) plus its batching, for the report."""
     networks = served_networks(repository)
     settings = networks.settings
-    lines = [_describe("face_pipeline", read_config(repository / "face_pipeline")) + (
-        f", dynamic_input {settings.dynamic_input}, decode_min_side {settings.decode_min_side}")]
+    pipeline = read_config(repository / "face_pipeline")
+    params = {k: v.string_value for k, v in pipeline.parameters.items()}
+    layout = params.get("layout", "bls")
+    solo = int(params.get("solo_threads", "0"))
+    alone = f" (a lone request on {solo} threads per network)" if layout == "in_process" and solo else ""
+    lines = [_describe("face_pipeline", pipeline) + (
+        f", dynamic_input {settings.dynamic_input}, decode_min_side {settings.decode_min_side}, "
+        f"layout {layout}{alone}")]
     for name, choice in ((settings.detector_model, networks.detector_runtime),
                          (settings.embedder_model, networks.embedder_runtime)):
         lines.append(_describe(name, read_config(repository / name))
