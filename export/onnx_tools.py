@@ -210,43 +210,52 @@ def split_output_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     pixels (RetinaFace-mnet0.25: one embedding drifted to cosine 0.965, a decision changed); the pair keeps
     16 bits of every weight, and the sum lies in the f32 tail OpenVINO keeps after the last convolution.
     In f32 the two products add up to the original within rounding; the heads are ~1 % of the work.
-    Only layers whose weight is an initializer are split.
+    Only layers whose weight is a float32 initializer are split; a weight other nodes share keeps its
+    original for them (the pair is new initializers).
     """
     graph = model.graph
     weights = {init.name: init for init in graph.initializer}
+    pairs: dict[str, tuple[str, str]] = {}  # weight -> (high, low) initializer names
     split = 0
     nodes: list[onnx.NodeProto] = []
     targets = {node.output[0] for node in output_layers(model)}
     for node in graph.node:
         weight_index = 0 if node.op_type == "MatMul" and node.input[0] in weights else 1
-        has_weight = len(node.input) > weight_index and node.input[weight_index] in weights
-        if node.output[0] not in targets or not has_weight:
+        name = node.input[weight_index] if len(node.input) > weight_index else ""
+        if (node.output[0] not in targets or name not in weights
+                or weights[name].data_type != onnx.TensorProto.FLOAT):
             nodes.append(node)
             continue
-        name = node.input[weight_index]
-        full = numpy_helper.to_array(weights[name]).astype(np.float32)
-        high = to_bfloat16(full)
-        low = np.asarray(full - high, np.float32)
-        weights[name].CopyFrom(numpy_helper.from_array(high, name))
-        low_name, low_out, high_out = f"{name}__bf16_low", f"{node.output[0]}__low", f"{node.output[0]}__high"
-        graph.initializer.append(numpy_helper.from_array(low, low_name))
-        low_node = onnx.NodeProto()
-        low_node.CopyFrom(node)
-        low_node.name = f"{node.name}__low"
-        low_inputs = list(node.input)
-        low_inputs[weight_index] = low_name
-        if node.op_type in ("Conv", "ConvTranspose", "Gemm") and len(low_inputs) > 2:
-            low_inputs = low_inputs[:2]  # the bias is added once, by the high half
-        del low_node.input[:]
-        low_node.input.extend(low_inputs)
-        low_node.output[:] = [low_out]
+        if name not in pairs:
+            full = numpy_helper.to_array(weights[name])
+            high = to_bfloat16(full)
+            pairs[name] = (f"{name}__bf16_high", f"{name}__bf16_low")
+            graph.initializer.extend([numpy_helper.from_array(high, pairs[name][0]),
+                                      numpy_helper.from_array(np.asarray(full - high, np.float32),
+                                                              pairs[name][1])])
         output = node.output[0]
-        node.output[:] = [high_out]
-        nodes += [node, low_node,
-                  helper.make_node("Add", [high_out, low_out], [output], name=f"{node.name}__bf16_pair")]
+        halves = []
+        for half, weight in zip(("high", "low"), pairs[name], strict=True):
+            part = onnx.NodeProto()
+            part.CopyFrom(node)
+            part.name = f"{node.name}__{half}"
+            inputs = list(node.input)
+            inputs[weight_index] = weight
+            if half == "low" and node.op_type in ("Conv", "ConvTranspose", "Gemm"):
+                inputs = inputs[:2]  # the bias is added once, by the high half
+            del part.input[:]
+            part.input.extend(inputs)
+            part.output[:] = [f"{output}__{half}"]
+            halves.append(part)
+        nodes += [*halves, helper.make_node("Add", [h.output[0] for h in halves], [output],
+                                            name=f"{node.name}__bf16_pair")]
         split += 1
     del graph.node[:]
     graph.node.extend(nodes)
+    used = {name for node in graph.node for name in node.input}
+    kept = [init for init in graph.initializer if init.name in used or init.name not in pairs]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)  # a split weight no other node reads is gone
     return model, split
 
 

@@ -387,8 +387,9 @@ def test_bfloat16_weight_pairs_change_nothing_in_f32(default_models: DefaultMode
     split, count = split_output_weights(onnx.load(str(default_models.detector_file)))
     assert count == 9
     after = {init.name: numpy_helper.to_array(init) for init in split.graph.initializer}
+    assert not heads & set(after)  # the originals are gone (no other node read them)
     for name in heads:
-        high, low = after[name], after[f"{name}__bf16_low"]
+        high, low = after[f"{name}__bf16_high"], after[f"{name}__bf16_low"]
         assert not (high.view(np.uint32) & 0xFFFF).any()
         np.testing.assert_array_equal(high + low, weights[name])
         assert np.abs(low).max() > 0  # the rounding is not a no-op on these weights
@@ -399,6 +400,25 @@ def test_bfloat16_weight_pairs_change_nothing_in_f32(default_models: DefaultMode
     got = create_session(path).run(None, {spec.input_name: pixels})
     for a, b in zip(expected, got, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_shared_with_another_layer_keeps_its_original_there() -> None:
+    """The same initializer read by a hidden layer and by the output layer: the output layer gets the pair,
+    the hidden layer still reads the original, whole weight."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    w = np.random.default_rng(8).normal(size=(4, 4)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"], name="hidden"),
+                               helper.make_node("MatMul", ["h", "w"], ["y"], name="out")],
+                              "shared", [x], [y], [numpy_helper.from_array(w, "w")])
+    model, count = split_output_weights(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                          ir_version=IR_VERSION))
+    assert count == 1
+    assert [list(n.input) for n in model.graph.node if n.op_type == "MatMul"] == [
+        ["x", "w"], ["h", "w__bf16_high"], ["h", "w__bf16_low"]]
+    feed = np.random.default_rng(9).normal(size=(2, 4)).astype(np.float32)
+    np.testing.assert_allclose(ReferenceEvaluator(model).run(None, {"x": feed})[0], feed @ w @ w,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_split_layer_with_a_bias_adds_it_once() -> None:
