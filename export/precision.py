@@ -7,12 +7,20 @@ same/different between every pair of faces, the face that enrollment with ``face
 every image, and the quality gate's verdict on every face. The test photos are checked as they are and
 downscaled (0.5x, 0.3x), so that small faces — where reduced precision moves landmarks most — are part
 of it. A precision that fails is not used; the export logs why and records every check beside the model.
+
+With ``auto``, bf16 must also be faster: some CPUs report bfloat16 and run it slower than f32 (measured: a
+2-core Intel Xeon, CPU model 207, without AMX: SFace 1.6x and the detector 1.35x slower in bf16), so both
+precisions are timed on this CPU, interleaved, and bf16 is tried only when it is at least ``BF16_SPEEDUP``
+times faster than f32 at the served thread count.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import platform
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -23,7 +31,7 @@ import numpy as np
 
 from facecore.contract import Faces
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
-from facecore.pipeline import PipelineSettings, run_pipeline
+from facecore.pipeline import PipelineSettings, network_input, run_pipeline
 from facecore.processing import ImageArray, decode_image, to_tensor
 from facecore.quality import QualityThresholds, assess
 from facecore.runtimes import Runtime, RuntimeChoice, detector, embedder
@@ -35,6 +43,10 @@ EMBEDDER_COSINE = 0.999
 PIPELINE_COSINE = 0.99
 BOX_IOU = 0.95
 SCALES = (1.0, 0.5, 0.3)
+#: ``auto`` tries bf16 only when it is at least this many times faster than f32 on this CPU.
+BF16_SPEEDUP = 1.1
+#: Faces per embedder call when the precisions are timed (the served batches: 1 to 16 faces).
+TIMED_FACES = 8
 
 
 @dataclass(frozen=True)
@@ -49,11 +61,15 @@ class PrecisionCheck:
     same_faces: bool = True
     same_decisions: bool = True
     reason: str = ""
+    #: Median ms per call on this CPU where the precisions were timed (``auto``), else 0.
+    ms: float = 0.0
 
     def summary(self) -> str:
         verdict = "accepted" if self.passed else f"refused ({self.reason})"
-        return (f"{self.network} {self.runtime} {self.precision}: {verdict}; {self.faces} faces, "
-                f"worst cosine {self.worst_cosine:.5f}, worst box IoU {self.worst_iou:.4f}")
+        measured = [f"{self.faces} faces, worst cosine {self.worst_cosine:.5f}, worst box IoU "
+                    f"{self.worst_iou:.4f}"] if self.faces else []
+        measured += [f"{self.ms:.1f} ms per call"] if self.ms else []
+        return f"{self.network} {self.runtime} {self.precision}: " + "; ".join([verdict, *measured])
 
 
 def check_images(photos: dict[str, Path], decode_min_side: int = 0) -> list[ImageArray]:
@@ -204,12 +220,68 @@ def first_passing(candidates: Sequence[str], check: Callable[[RuntimeChoice], Pr
     raise RuntimeError("no precision passed the accuracy check: " + "; ".join(c.summary() for c in checks))
 
 
-CHECK_VERSION = 3
+def time_precisions(path: Path, batch: np.ndarray[Any, Any], threads: int, precisions: Sequence[str],
+                    rounds: int = 5, calls: int = 3) -> dict[str, float]:
+    """Median ms per OpenVINO call of ``batch`` at each precision on this CPU, compiled as served. The
+    precisions alternate round by round: the machine's speed drifts from one second to the next, and
+    alternating gives each precision the same drift."""
+    from facecore.openvino_runtime import Network, Precision, compile_model
+
+    networks = {p: Network(compile_model(path, Precision(p), threads)) for p in precisions}
+    for run in networks.values():
+        run(batch)  # warm-up: first-call allocations
+    times: dict[str, list[float]] = {p: [] for p in precisions}
+    for _ in range(rounds):
+        for precision, run in networks.items():
+            began = time.perf_counter()
+            for _ in range(calls):
+                run(batch)
+            times[precision].append(1000 * (time.perf_counter() - began) / calls)
+    return {p: statistics.median(t) for p, t in times.items()}
+
+
+def timed_input(spec: ModelSpec, count: int) -> np.ndarray[Any, Any]:
+    """``count`` random images at ``spec``'s full input size, as the network takes them."""
+    width, height = spec.input_size
+    images = np.random.default_rng(0).integers(0, 256, (count, height, width, 3), dtype=np.uint8)
+    return network_input(images, spec)
+
+
+def by_speed(network: str, candidates: list[str], timings: dict[str, float]
+             ) -> tuple[list[str], list[PrecisionCheck]]:
+    """``candidates`` without bf16 when it is not ``BF16_SPEEDUP`` times faster than f32 here, and the
+    refusal as a check record; the timings are kept on the records of the precisions left."""
+    if "bf16" not in candidates or timings["bf16"] * BF16_SPEEDUP <= timings["f32"]:
+        return candidates, []
+    reason = (f"not faster on this CPU: {timings['bf16']:.1f} ms per call in bf16, {timings['f32']:.1f} "
+              f"in f32 (bf16 must be {BF16_SPEEDUP}x faster)")
+    refused = PrecisionCheck(network, "openvino", "bf16", False, 0, 0.0, 0.0, reason=reason,
+                             ms=timings["bf16"])
+    return [c for c in candidates if c != "bf16"], [refused]
+
+
+def _timed(checks: list[PrecisionCheck], timings: dict[str, float]) -> list[PrecisionCheck]:
+    return [c if c.ms or c.precision not in timings else replace(c, ms=timings[c.precision]) for c in checks]
+
+
+def _cpu_name() -> str:
+    """This CPU's model name (the timings, hence the cached choice, hold for this CPU only)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+CHECK_VERSION = 4
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 
 def _wanted(setting: str) -> list[str]:
-    """Precisions to try, best first: ``auto`` is bf16 where the CPU has it, then f32."""
+    """Precisions to try, best first: ``auto`` is bf16 where the CPU has it (then timed: ``by_speed``),
+    then f32."""
     from facecore.openvino_runtime import bf16_supported
 
     if setting == "auto":
@@ -237,8 +309,9 @@ def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], 
 
     det_spec, det_file, emb_spec, emb_file = reference_files
     key = _cache_key(str(CHECK_VERSION), sha256_of(served_detector), sha256_of(emb_file),
-                     openvino.__version__, ",".join(_wanted(detector_setting)),
-                     ",".join(_wanted(embedder_setting)), choice.runtime, str(decode_min_side))
+                     openvino.__version__, detector_setting, ",".join(_wanted(detector_setting)),
+                     embedder_setting, ",".join(_wanted(embedder_setting)), choice.runtime,
+                     str(decode_min_side), _cpu_name(), str(choice.threads))
     cached = artifacts / "precision" / f"{key}.json"
     if cached.exists():
         checks = [PrecisionCheck(**c) for c in json.loads(cached.read_text())]
@@ -246,12 +319,20 @@ def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], 
         photos = fetch_photos(artifacts / "downloads", artifacts / "photos")
         reference = Reference.build(det_spec, det_file, emb_spec, emb_file,
                                     check_images(photos, decode_min_side))
-        _, detector_checks = first_passing(
-            _wanted(detector_setting), lambda c: check_detector(reference, served_spec, served_detector, c),
-            choice)
-        _, embedder_checks = first_passing(_wanted(embedder_setting), lambda c: check_embedder(reference, c),
-                                           choice)
-        checks = [*detector_checks, *embedder_checks]
+        networks = {"detector": (detector_setting, served_detector, timed_input(served_spec, 1),
+                                 lambda c: check_detector(reference, served_spec, served_detector, c)),
+                    "embedder": (embedder_setting, emb_file, timed_input(emb_spec, TIMED_FACES),
+                                 lambda c: check_embedder(reference, c))}
+        checks = []
+        for network, (setting, path, batch, accuracy) in networks.items():
+            candidates, refused = _wanted(setting), list[PrecisionCheck]()
+            timings: dict[str, float] = {}
+            if setting == "auto" and "bf16" in candidates:
+                timings = time_precisions(path, batch, max(choice.threads, 1), candidates)
+                log.info("%s timed: %s", network, ", ".join(f"{p} {ms:.1f} ms" for p, ms in timings.items()))
+                candidates, refused = by_speed(network, candidates, timings)
+            _, passed = first_passing(candidates, accuracy, choice)
+            checks += _timed([*refused, *passed], timings)
         record(checks, cached)
     for check in checks:
         if not check.passed:

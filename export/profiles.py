@@ -55,8 +55,9 @@ class ProfileTuning:
     spinning: bool = True
     #: CPU profile: ``openvino`` or ``onnxruntime`` for the two networks.
     runtime: str = "openvino"
-    #: OpenVINO inference precision per network: ``auto`` (bf16 where the CPU has it and the export's
-    #: accuracy check accepts it, else f32), ``f32`` or ``bf16`` (still checked; refused -> f32).
+    #: OpenVINO inference precision per network: ``auto`` (bf16 where the CPU has it, runs it faster than
+    #: f32 and the export's accuracy check accepts it, else f32), ``f32`` or ``bf16`` (not timed, still
+    #: checked; refused -> f32).
     detector_precision: str = "auto"
     embedder_precision: str = "auto"
     #: CPU profile: ``bls`` (face_pipeline calls the face_detector / face_embedder models) or

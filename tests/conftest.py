@@ -55,6 +55,16 @@ def cpu_repository(default_models: DefaultModels, tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="session")
+def exported_precisions(cpu_repository: Path) -> dict[str, str]:
+    """The precision the export chose for each network on this machine, as its configs record it: bf16
+    where the CPU executes it natively, faster than f32, and the accuracy check accepts it; f32 elsewhere."""
+    from export.served import read_config
+
+    return {role: read_config(cpu_repository / f"face_{role}").parameters["precision"].string_value
+            for role in ("detector", "embedder")}
+
+
+@pytest.fixture(scope="session")
 def triton(cpu_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """The tritonserver from the nvidia-pytriton wheel serving the three models."""
     log_file = tmp_path_factory.mktemp("triton") / "tritonserver.log"

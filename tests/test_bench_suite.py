@@ -26,14 +26,12 @@ from bench.core.triton import statistics_delta
 from bench.stack import MemoryRun
 from export.profiles import Profile, ProfileTuning
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
-from facecore.openvino_runtime import bf16_supported
 from facecore.processing import letterbox
 
-#: The precision the export chooses for both networks on this machine: bf16 where the CPU executes it
-#: natively (AVX-512 BF16 or AMX) and the export's check passes (the detector with its output layers'
-#: weights as bfloat16 pairs), f32 elsewhere (an AVX2-only CPU).
-PRECISION = "bf16" if bf16_supported() else "f32"
 
+def served_runtime(precisions: dict[str, str]) -> str:
+    """How the reports name the served runtime with the precisions the export chose on this machine."""
+    return f"openvino: detector {precisions['detector']}, embedder {precisions['embedder']}"
 
 def test_the_recorded_report_is_rendered_from_its_results() -> None:
     """docs/benchmarks/README.md is what the report code writes for docs/benchmarks/results.json: the wording
@@ -138,8 +136,8 @@ def _other_detector(tmp_path: Path) -> Path:
     return out
 
 
-def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path],
-                                          cpu_repository: Path) -> None:
+def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path], cpu_repository: Path,
+                                          exported_precisions: dict[str, str]) -> None:
     """served (OpenVINO at the served precisions), served-onnxruntime and plain (ONNX Runtime, the float
     detector) find the same faces and make the same decisions. Their embeddings are not equal: reduced JPEG
     decode and the fixed 640x640 input move the landmarks of t1.jpg's small faces by a pixel or so (cosine
@@ -155,8 +153,8 @@ def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path
                                                           log_file)) for v in naive.VARIANTS]
         health = {s.variant: s.health or {} for s in servers}
         assert health["served"]["dynamic_input"] and health["served"]["embedder_prelu_nodes"] == 0
-        assert health["served"]["detector_runtime"] == f"openvino:{PRECISION}"
-        assert health["served"]["embedder_runtime"] == f"openvino:{PRECISION}"
+        assert health["served"]["detector_runtime"] == "openvino:" + exported_precisions["detector"]
+        assert health["served"]["embedder_runtime"] == "openvino:" + exported_precisions["embedder"]
         assert health["served"]["detector_input_layout"] == "nhwc_uint8"
         assert health["served-onnxruntime"]["embedder_runtime"] == "onnxruntime:f32"
         assert not health["plain"]["dynamic_input"] and health["plain"]["embedder_prelu_nodes"] > 0
@@ -274,7 +272,8 @@ def test_an_unstable_perf_analyzer_measurement_is_repeated_and_marked(tmp_path: 
 
 
 @pytest.mark.triton
-def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_repository: Path) -> None:
+def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_repository: Path,
+                                                    exported_precisions: dict[str, str]) -> None:
     out = tmp_path / "benchmarks"
     argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8",
             "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1", "--no-fixed",
@@ -334,7 +333,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert variants[("obama.jpg", "plain")]["runtime"] == "onnxruntime f32"
     assert variants[("obama.jpg", "onnxruntime")]["runtime"] == "onnxruntime f32"
     served = variants[("obama.jpg", "served")]["runtime"]
-    assert served == f"openvino: detector {PRECISION}, embedder {PRECISION}"
+    assert served == served_runtime(exported_precisions)
     assert all(variants[("obama.jpg", v)]["images_per_s"] > 0 for v in ("served", "onnxruntime"))
     assert "plain: PReLU kept" in body
 

@@ -16,16 +16,14 @@ from bench.core.load import LoadRow
 from bench.naive_agreement import compare, compare_all
 from bench.stack import MemoryRun
 from export.defaults import SPECS
-from facecore.openvino_runtime import bf16_supported
 from facecore.pipeline import PipelineSettings
 from facecore.runtimes import Runtime, RuntimeChoice
 from facecore.spec import load_spec
 
-#: The precision the export chooses for both networks on this machine: bf16 where the CPU executes it
-#: natively (AVX-512 BF16 or AMX) and the export's check passes (the detector with its output layers'
-#: weights as bfloat16 pairs), f32 elsewhere (an AVX2-only CPU).
-PRECISION = "bf16" if bf16_supported() else "f32"
 
+def served_runtime(precisions: dict[str, str]) -> str:
+    """How the reports name the served runtime with the precisions the export chose on this machine."""
+    return f"openvino: detector {precisions['detector']}, embedder {precisions['embedder']}"
 
 def _ceiling(photo: str, variant: str, runtime: str, images_per_s: float, models_ms: float) -> PhotoCeiling:
     stages = dict.fromkeys(ceiling.STAGES, 1.0) | {"detector": models_ms / 2, "embedder": models_ms / 2}
@@ -130,11 +128,11 @@ def test_agreement_counts_changed_decisions_and_swapped_faces() -> None:
     assert not missing.same_faces and missing.pairs == 0 and "not the same faces" in missing.describe()
 
 
-def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Path],
-                                                             cpu_repository: Path) -> None:
+def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Path], cpu_repository: Path,
+                                                             exported_precisions: dict[str, str]) -> None:
     models = served_models(cpu_repository)
     served = models.embedder_runtime
-    assert served.runtime is Runtime.OPENVINO and served.precision == PRECISION
+    assert served.runtime is Runtime.OPENVINO and served.precision == exported_precisions["embedder"]
     ort = models.on_runtime(Runtime.ONNXRUNTIME)
     assert ort.runtime == "onnxruntime f32" and ort.embedder_file == models.embedder_file
     options = ceiling.CeilingOptions(seconds=0.3, repeats=1, split_repeats=1, detector_batches=(1,),
@@ -142,12 +140,12 @@ def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Pa
     rows = ceiling.run(models, {"obama.jpg": photos["obama.jpg"].read_bytes()}, options)
     by_variant = {r.variant: r for r in rows}
     assert set(by_variant) == {"served", "onnxruntime"}
-    assert by_variant["served"].runtime == f"openvino: detector {PRECISION}, embedder {PRECISION}"
+    assert by_variant["served"].runtime == served_runtime(exported_precisions)
     assert by_variant["onnxruntime"].runtime == "onnxruntime f32"
     for row in rows:
         assert row.faces == 1 and row.images_per_s > 0 and row.single_image_ms > 0
     text = ceiling.summary_table(rows)
-    assert f"| openvino: detector {PRECISION}, embedder {PRECISION} |" in text
+    assert f"| {served_runtime(exported_precisions)} |" in text
     assert "| onnxruntime f32 |" in text
     # the second pass measures both runtimes again, for real, and each row keeps its better figures
     before = {r.variant: (r.single_image_ms, r.images_per_s) for r in rows}

@@ -1,8 +1,10 @@
-"""Runtime and precision choice: OpenVINO bf16 only where the CPU has it and the accuracy check accepts
-it, f32 otherwise; the check refuses a precision that changes the faces (export/precision.py)."""
+"""Runtime and precision choice: OpenVINO bf16 only where the CPU has it, runs it faster than f32 and the
+accuracy check accepts it, f32 otherwise; the check refuses a precision that changes the faces
+(export/precision.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,74 @@ def test_auto_is_bf16_only_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch)
     assert precision._wanted("f32") == ["f32"] and precision._wanted("bf16") == ["bf16", "f32"]
     with pytest.raises(ValueError, match="auto, f32 or bf16"):
         precision._wanted("fp8")
+
+
+def test_bf16_is_dropped_where_it_is_not_faster() -> None:
+    """Some CPUs report bfloat16 and run it slower than f32: ``auto`` then never tries it, and says why."""
+    kept, refused = precision.by_speed("embedder", ["bf16", "f32"], {"bf16": 9.0, "f32": 12.0})
+    assert kept == ["bf16", "f32"] and refused == []
+    kept, refused = precision.by_speed("detector", ["bf16", "f32"], {"bf16": 11.5, "f32": 12.0})
+    assert kept == ["f32"]  # 4 % faster is within the noise: f32 (the exact one) is kept
+    kept, refused = precision.by_speed("detector", ["bf16", "f32"], {"bf16": 41.6, "f32": 30.7})
+    assert kept == ["f32"] and len(refused) == 1
+    assert not refused[0].passed and refused[0].precision == "bf16" and refused[0].ms == 41.6
+    assert "not faster on this CPU: 41.6 ms per call in bf16, 30.7 in f32" in refused[0].summary()
+    assert precision.by_speed("detector", ["f32"], {"f32": 30.7}) == (["f32"], [])
+
+
+@pytest.mark.parametrize(("bf16_ms", "chosen"), [(40.0, "f32"), (10.0, "bf16")])
+def test_auto_chooses_by_accuracy_and_speed(default_models: DefaultModels, photos: dict[str, Path],
+                                            monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bf16_ms: float,
+                                            chosen: str) -> None:
+    """The export's choice end to end (the real accuracy checks on two photos, the timing replaced): bf16
+    slower than f32 is refused before its accuracy is checked and the record says so; faster, it is
+    checked and kept. The timings are recorded beside the checks, and the record is reused."""
+    import export.fetch
+
+    monkeypatch.setattr(ov_runtime, "bf16_supported", lambda: True)
+    monkeypatch.setattr(export.fetch, "fetch_photos",
+                        lambda *_: {k: v for k, v in photos.items() if k in ("t1.jpg", "obama.jpg")})
+    timed: list[tuple[str, list[str]]] = []
+
+    def timings(path: Path, batch: np.ndarray, threads: int, precisions: list[str]) -> dict[str, float]:  # type: ignore[type-arg]
+        timed.append((path.name, list(precisions)))
+        return {"f32": 20.0, "bf16": bf16_ms}
+
+    monkeypatch.setattr(precision, "time_precisions", timings)
+    m = default_models
+    served = served_detector(m.detector, m.detector_file, tmp_path / "served.onnx", bf16_pairs=True)
+    files = (m.detector, m.detector_file, m.embedder, m.embedder_file)
+    checks = precision.choose_precisions(files, tmp_path / "served.onnx", served,
+                                         RuntimeChoice(Runtime.OPENVINO, "f32", 1), "auto", "auto",
+                                         artifacts=tmp_path)
+    assert {n: c.precision for n, c in checks.items()} == {"detector": chosen, "embedder": chosen}
+    assert checks["detector"].ms == (bf16_ms if chosen == "bf16" else 20.0)
+    assert [name for name, _ in timed] == ["served.onnx", m.embedder_file.name]
+    (record,) = (tmp_path / "precision").glob("*.json")
+    reasons = [c["reason"] for c in json.loads(record.read_text()) if not c["passed"]]
+    if chosen == "f32":
+        assert len(reasons) == 2 and all(r.startswith("not faster on this CPU") for r in reasons)
+    else:
+        assert reasons == []
+    timed.clear()
+    again = precision.choose_precisions(files, tmp_path / "served.onnx", served,
+                                        RuntimeChoice(Runtime.OPENVINO, "f32", 1), "auto", "auto",
+                                        artifacts=tmp_path)
+    assert again == checks and timed == []  # read back from the record
+    if chosen == "f32":  # bf16 asked for by name: not timed, not answered by the record of ``auto``
+        forced = precision.choose_precisions(files, tmp_path / "served.onnx", served,
+                                             RuntimeChoice(Runtime.OPENVINO, "f32", 1), "bf16", "bf16",
+                                             artifacts=tmp_path)
+        assert {n: c.precision for n, c in forced.items()} == {"detector": "bf16", "embedder": "bf16"}
+        assert timed == [] and all(c.ms == 0 for c in forced.values())
+
+
+def test_precisions_are_timed_on_the_real_network(default_models: DefaultModels) -> None:
+    batch = precision.timed_input(default_models.embedder, 2)
+    assert batch.shape == (2, 3, 112, 112) and batch.dtype == np.float32
+    timings = precision.time_precisions(default_models.embedder_file, batch, 1, ["f32", "bf16"], rounds=2,
+                                        calls=1)
+    assert set(timings) == {"f32", "bf16"} and all(0 < ms < 10_000 for ms in timings.values())
 
 
 def test_openvino_f32_and_the_uint8_detector_pass(reference: precision.Reference,
