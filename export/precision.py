@@ -11,7 +11,7 @@ of it. A precision that fails is not used; the export logs why and records every
 With ``auto``, bf16 must also be faster: some CPUs report bfloat16 and run it slower than f32 (measured: a
 2-core Intel Xeon, CPU model 207, without AMX: SFace 1.6x and the detector 1.35x slower in bf16), so both
 precisions are timed on this CPU, interleaved, and bf16 is tried only when it is at least ``BF16_SPEEDUP``
-times faster than f32 at the served thread count.
+times faster than f32 on one thread (how each network runs under load).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ SCALES = (1.0, 0.5, 0.3)
 BF16_SPEEDUP = 1.1
 #: Faces per embedder call when the precisions are timed (the served batches: 1 to 16 faces).
 TIMED_FACES = 8
+#: Threads per call when the precisions are timed: how each network runs under load (every profile).
+TIMED_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], 
     key = _cache_key(str(CHECK_VERSION), sha256_of(served_detector), sha256_of(emb_file),
                      openvino.__version__, detector_setting, ",".join(_wanted(detector_setting)),
                      embedder_setting, ",".join(_wanted(embedder_setting)), choice.runtime,
-                     str(decode_min_side), _cpu_name(), str(choice.threads))
+                     str(decode_min_side), _cpu_name())
     cached = artifacts / "precision" / f"{key}.json"
     if cached.exists():
         checks = [PrecisionCheck(**c) for c in json.loads(cached.read_text())]
@@ -328,7 +330,7 @@ def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], 
             candidates, refused = _wanted(setting), list[PrecisionCheck]()
             timings: dict[str, float] = {}
             if setting == "auto" and "bf16" in candidates:
-                timings = time_precisions(path, batch, max(choice.threads, 1), candidates)
+                timings = time_precisions(path, batch, TIMED_THREADS, candidates)
                 log.info("%s timed: %s", network, ", ".join(f"{p} {ms:.1f} ms" for p, ms in timings.items()))
                 candidates, refused = by_speed(network, candidates, timings)
             _, passed = first_passing(candidates, accuracy, choice)
