@@ -8,10 +8,10 @@ every image, and the quality gate's verdict on every face. The test photos are c
 downscaled (0.5x, 0.3x), so that small faces — where reduced precision moves landmarks most — are part
 of it. A precision that fails is not used; the export logs why and records every check beside the model.
 
-With ``auto``, bf16 must also be faster: some CPUs report bfloat16 and run it slower than f32 (measured: a
-2-core Intel Xeon, CPU model 207, without AMX: SFace 1.6x and the detector 1.35x slower in bf16), so both
-precisions are timed on this CPU, interleaved, and bf16 is tried only when it is at least ``BF16_SPEEDUP``
-times faster than f32 on one thread (how each network runs under load).
+With ``auto``, bf16 must also be faster: some CPUs report bfloat16 and run it slower than f32 (measured:
+a 2-core Intel Xeon, CPU model 207, without AMX: SFace 1.4-1.6x and the detector 1.2-1.35x slower in
+bf16), so both precisions are timed on this CPU, interleaved, and bf16 is tried only when it is at least
+``BF16_SPEEDUP`` times faster than f32 on one thread (how each network runs under load).
 """
 
 from __future__ import annotations
