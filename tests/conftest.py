@@ -65,6 +65,12 @@ def exported_precisions(cpu_repository: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def served_runtime(exported_precisions: dict[str, str]) -> str:
+    """How the benchmark reports name the served runtime with the precisions the export chose here."""
+    return f"openvino: detector {exported_precisions['detector']}, embedder {exported_precisions['embedder']}"
+
+
+@pytest.fixture(scope="session")
 def triton(cpu_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """The tritonserver from the nvidia-pytriton wheel serving the three models."""
     log_file = tmp_path_factory.mktemp("triton") / "tritonserver.log"

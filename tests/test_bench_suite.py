@@ -29,10 +29,6 @@ from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.processing import letterbox
 
 
-def served_runtime(precisions: dict[str, str]) -> str:
-    """How the reports name the served runtime with the precisions the export chose on this machine."""
-    return f"openvino: detector {precisions['detector']}, embedder {precisions['embedder']}"
-
 def test_the_recorded_report_is_rendered_from_its_results() -> None:
     """docs/benchmarks/README.md is what the report code writes for docs/benchmarks/results.json: the wording
     (bench/report_text.py) and the figures agree. After a change of wording:
@@ -273,7 +269,7 @@ def test_an_unstable_perf_analyzer_measurement_is_repeated_and_marked(tmp_path: 
 
 @pytest.mark.triton
 def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_repository: Path,
-                                                    exported_precisions: dict[str, str]) -> None:
+                                                    served_runtime: str) -> None:
     out = tmp_path / "benchmarks"
     argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8",
             "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1", "--no-fixed",
@@ -333,7 +329,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert variants[("obama.jpg", "plain")]["runtime"] == "onnxruntime f32"
     assert variants[("obama.jpg", "onnxruntime")]["runtime"] == "onnxruntime f32"
     served = variants[("obama.jpg", "served")]["runtime"]
-    assert served == served_runtime(exported_precisions)
+    assert served == served_runtime
     assert all(variants[("obama.jpg", v)]["images_per_s"] > 0 for v in ("served", "onnxruntime"))
     assert "plain: PReLU kept" in body
 
