@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.pipeline import PipelineSettings, network_input, run_pipeline
 from facecore.processing import ImageArray, decode_image, to_tensor
 from facecore.quality import QualityThresholds, assess
-from facecore.runtimes import Runtime, RuntimeChoice, detector, embedder
+from facecore.runtimes import Runtime, RuntimeChoice, cpu_model, detector, embedder
 from facecore.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -266,17 +265,6 @@ def _timed(checks: list[PrecisionCheck], timings: dict[str, float]) -> list[Prec
     return [c if c.ms or c.precision not in timings else replace(c, ms=timings[c.precision]) for c in checks]
 
 
-def _cpu_name() -> str:
-    """This CPU's model name (the timings, hence the cached choice, hold for this CPU only)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 CHECK_VERSION = 4
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
@@ -313,7 +301,7 @@ def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], 
     key = _cache_key(str(CHECK_VERSION), sha256_of(served_detector), sha256_of(emb_file),
                      openvino.__version__, detector_setting, ",".join(_wanted(detector_setting)),
                      embedder_setting, ",".join(_wanted(embedder_setting)), choice.runtime,
-                     str(decode_min_side), _cpu_name())
+                     str(decode_min_side), cpu_model())
     cached = artifacts / "precision" / f"{key}.json"
     if cached.exists():
         checks = [PrecisionCheck(**c) for c in json.loads(cached.read_text())]
@@ -321,16 +309,16 @@ def choose_precisions(reference_files: tuple[ModelSpec, Path, ModelSpec, Path], 
         photos = fetch_photos(artifacts / "downloads", artifacts / "photos")
         reference = Reference.build(det_spec, det_file, emb_spec, emb_file,
                                     check_images(photos, decode_min_side))
-        networks = {"detector": (detector_setting, served_detector, timed_input(served_spec, 1),
+        networks = {"detector": (detector_setting, served_detector, served_spec, 1,
                                  lambda c: check_detector(reference, served_spec, served_detector, c)),
-                    "embedder": (embedder_setting, emb_file, timed_input(emb_spec, TIMED_FACES),
+                    "embedder": (embedder_setting, emb_file, emb_spec, TIMED_FACES,
                                  lambda c: check_embedder(reference, c))}
         checks = []
-        for network, (setting, path, batch, accuracy) in networks.items():
+        for network, (setting, path, spec, count, accuracy) in networks.items():
             candidates, refused = _wanted(setting), list[PrecisionCheck]()
             timings: dict[str, float] = {}
             if setting == "auto" and "bf16" in candidates:
-                timings = time_precisions(path, batch, TIMED_THREADS, candidates)
+                timings = time_precisions(path, timed_input(spec, count), TIMED_THREADS, candidates)
                 log.info("%s timed: %s", network, ", ".join(f"{p} {ms:.1f} ms" for p, ms in timings.items()))
                 candidates, refused = by_speed(network, candidates, timings)
             _, passed = first_passing(candidates, accuracy, choice)

@@ -7,6 +7,8 @@ in-process layout), the export's precision checks and the benchmarks.
 from __future__ import annotations
 
 import os
+import platform
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -109,6 +111,15 @@ def embedder(spec: ModelSpec, path: str | Path, choice: RuntimeChoice, solo: Sol
 def usable_cpus() -> int:
     """The CPUs this process may run on (a container's CPU set, not the host's count)."""
     return len(os.sched_getaffinity(0))
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows of it."""
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    return found.group(1).strip() if found else platform.processor() or platform.machine() or "unknown CPU"
 
 
 def either(alone: Callable[[], bool], solo: Runner, shared: Runner) -> Runner:

@@ -87,14 +87,13 @@ def _hardware() -> str:
     import faiss
     import numpy as np
 
+    from facecore.runtimes import cpu_model
     from gallery.index import gpu_available
 
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
     meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
     total = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.MULTILINE)
     gpus = faiss.get_num_gpus() if gpu_available() else 0
-    return (f"{model.group(1).strip() if model else platform.processor() or 'unknown CPU'}, "
+    return (f"{cpu_model()}, "
             f"{os.cpu_count()} cores ({usable_cores()} usable), "
             f"{int(total.group(1)) / 2**20 if total else float('nan'):.1f} GiB RAM, {platform.system()}; "
             f"faiss {faiss.__version__} ({faiss.get_compile_options().strip()}; "
