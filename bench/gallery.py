@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                              "throughput use the first 200)")
     parser.add_argument("--quick", action="store_true", help="10k and 100k faces only (CI smoke run)")
     parser.add_argument("--candidates", nargs="*", default=["pq4fs", "sq8"],
-                        help="approximate kinds to build (pq4fs, sq8, ivf; default: %(default)s)")
+                        help="approximate kinds to build, each alone (pq4fs, pq4fs-fine, sq8, ivf), or auto: "
+                             "the index the default selection chooses (default: %(default)s)")
     parser.add_argument("--milvus-max", type=int, default=100_000,
                         help="Milvus-lite rows up to this many faces (0: none; default: %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")

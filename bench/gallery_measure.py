@@ -73,7 +73,7 @@ class MemoryProbe:
 class Row:
     size: int
     dimension: int
-    index: str  # "exact", a candidate kind, "milvus-lite"
+    index: str  # "exact", a candidate kind, "auto: <the kind chosen>", "milvus-lite"
     effort: int | None = None  # re-rank depth / nprobe the build chose
     accurate: bool = True  # met the targets at build (else refused: the collection would stay exact)
     build_s: float = 0.0
@@ -96,7 +96,7 @@ class Row:
             return "exact (Flat)"
         if self.index == "milvus-lite":
             return "Milvus-lite 2.4 (FLAT)"
-        effort = "nprobe" if self.index == "ivf" else "re-rank"
+        effort = "nprobe" if self.index.endswith("ivf") else "re-rank"
         text = f"{self.index} ({effort} {self.effort})"
         return text if self.accurate else f"{text}: refused at build → exact"
 

@@ -9,6 +9,11 @@ previous engine call carried: clients whose answers just came back send their ne
 microseconds, and without that wait every other call would carry one query (the first to come back)
 instead of all of them. So a lone request pays nothing (the previous call carried one), and under load
 each engine call serves many requests: the scan of a million vectors is shared instead of repeated.
+
+Each waiting request sleeps on an event of its own, set when its answer is ready or when it becomes the
+next leader: finishing a batch wakes the requests it answered and one leader, not every waiting thread
+(with one shared condition, each answer woke all 32 threads of a concurrency-32 load to re-check it,
+and their contention for the interpreter cost more than the batched search saved).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class _Request:
     error: BaseException | None = None
     done: bool = False
     lead: bool = False
+    wake: threading.Event = field(default_factory=threading.Event)  # done, or leads
 
 
 @dataclass
@@ -45,7 +51,6 @@ class _Queue:
     last_size: int = 1  # requests the previous engine call carried
 
     def __post_init__(self) -> None:
-        self.cond = threading.Condition(self.lock)  # a request is done, or leads
         self.arrived = threading.Condition(self.lock)  # a request was queued (for the gathering leader)
 
 
@@ -64,13 +69,13 @@ class SearchBatcher:
         with self._lock:
             queue = self._queues.setdefault(key, _Queue())
         request = _Request(queries, k)
-        with queue.cond:
+        with queue.lock:
             queue.waiting.append(request)
             queue.arrived.notify()
-            if queue.busy:
-                queue.cond.wait_for(lambda: request.done or request.lead)
-            else:
+            if not queue.busy:
                 queue.busy = request.lead = True
+                request.wake.set()
+        request.wake.wait()
         if not request.done:
             self._lead(queue, search)
         if request.error is not None:
@@ -82,7 +87,7 @@ class SearchBatcher:
         """The leader (first waiting) and those behind it, up to ``max_queries`` queries in all."""
         taken: list[_Request] = []
         total = 0
-        with queue.cond:
+        with queue.lock:
             while queue.waiting and (not taken or total + len(queue.waiting[0].queries) <= self.max_queries):
                 taken.append(queue.waiting.pop(0))
                 total += len(taken[-1].queries)
@@ -91,7 +96,7 @@ class SearchBatcher:
     def _lead(self, queue: _Queue, search: Search) -> None:
         if self.window_s:
             time.sleep(self.window_s)
-        with queue.cond:  # as many as last time, or gather_s at most
+        with queue.lock:  # as many as last time, or gather_s at most
             queue.arrived.wait_for(lambda: len(queue.waiting) >= queue.last_size, timeout=self.gather_s)
         batch = self._take(queue)
         try:
@@ -105,14 +110,15 @@ class SearchBatcher:
         except BaseException as exc:  # every request of the batch gets the engine's error
             for r in batch:
                 r.error = exc
-        with queue.cond:
+        with queue.lock:
             self.calls += 1
             self.queries += sum(len(r.queries) for r in batch)
             queue.last_size = len(batch)
             for r in batch:
                 r.done = True
-            if queue.waiting:
-                queue.waiting[0].lead = True  # the next batch is led by the first that waited
+                r.wake.set()
+            if queue.waiting:  # the next batch is led by the first that waited
+                queue.waiting[0].lead = True
+                queue.waiting[0].wake.set()
             else:
                 queue.busy = False
-            queue.cond.notify_all()

@@ -52,11 +52,12 @@ class IndexKind(StrEnum):
     FLAT = "flat"
     IVF = "ivf"
     PQ4FS = "pq4fs"  # 4-bit PQ fast-scan codes + exact re-rank
+    PQ4FS_FINE = "pq4fs-fine"  # the same with twice the sub-quantizers: a longer scan, a shorter re-rank
     SQ8 = "sq8"  # 8-bit scalar-quantized codes + exact re-rank
 
     @property
     def refined(self) -> bool:
-        return self in (IndexKind.PQ4FS, IndexKind.SQ8)
+        return self in (IndexKind.PQ4FS, IndexKind.PQ4FS_FINE, IndexKind.SQ8)
 
 
 def gpu_available() -> bool:

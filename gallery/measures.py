@@ -106,3 +106,18 @@ def latency_ms(search: Callable[[Vectors], Any], queries: Vectors) -> tuple[floa
         times.append((time.perf_counter() - began) * 1000)
     p50, p99 = np.percentile(times, [50, 99])
     return float(p50), float(p99)
+
+
+def batch_throughput(search: Callable[[Vectors], Any], queries: Vectors, batch: int, calls: int = 5) -> float:
+    """Queries per second of ``search`` given ``batch`` queries per call: the median rate of ``calls``
+    calls on successive slices of ``queries`` (wrapping around; after one warm-up call)."""
+    batch = max(1, min(batch, len(queries)))
+    parts = [queries[np.arange(number * batch, (number + 1) * batch) % len(queries)]
+             for number in range(calls + 1)]
+    search(parts[0])
+    rates = []
+    for part in parts[1:]:
+        began = time.perf_counter()
+        search(part)
+        rates.append(len(part) / max(time.perf_counter() - began, 1e-9))
+    return float(np.median(rates))

@@ -26,22 +26,37 @@ Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
 
 
+def _pq4(dimension: int, subquantizers: int) -> Any:
+    subquantizers = max(1, min(subquantizers, dimension))
+    while dimension % subquantizers:
+        subquantizers -= 1
+    return faiss.IndexPQFastScan(dimension, subquantizers, 4, faiss.METRIC_INNER_PRODUCT)
+
+
 def pq4_fast_scan(dimension: int) -> Any:
     """4-bit PQ fast-scan codes, 64 sub-quantizers (32 bytes per face) from 128-d up: one per 2
     dimensions at 128-d, per 8 at 512-d. Measured at 1M x 128 (face-like data, SFace's threshold): with
     one per 4 dimensions, even re-ranking 8192 candidates agreed with exact search on only 99.65 % of
     impostor decisions; with one per 2, 512 candidates reach 99.9 %."""
-    subquantizers = min(64, max(1, dimension // 2))
-    while dimension % subquantizers:
-        subquantizers -= 1
-    return faiss.IndexPQFastScan(dimension, subquantizers, 4, faiss.METRIC_INNER_PRODUCT)
+    return _pq4(dimension, min(64, dimension // 2))
+
+
+def pq4_fast_scan_fine(dimension: int) -> Any:
+    """Twice the sub-quantizers of ``pq4_fast_scan`` (one per dimension at 128-d: 64 bytes per face): a
+    scan twice as long, codes accurate enough for a short re-rank. Measured at 1M x 128 (2 cores): 32
+    candidates agree with exact search on every genuine and impostor probe where ``pq4_fast_scan`` needs
+    1024-2048; one query takes longer (2.9 against 1.9 ms), but a batch of 32 costs a sixth as much per
+    query as one query alone instead of a third (the long re-rank and its deep top-k per shard do not
+    batch): 1,970 against 1,470 queries/s."""
+    return _pq4(dimension, min(128, dimension))
 
 
 def sq8(dimension: int) -> Any:
     return faiss.IndexScalarQuantizer(dimension, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
 
 
-CODES: dict[str, Callable[[int], Any]] = {"pq4fs": pq4_fast_scan, "sq8": sq8}
+CODES: dict[str, Callable[[int], Any]] = {"pq4fs": pq4_fast_scan, "pq4fs-fine": pq4_fast_scan_fine,
+                                          "sq8": sq8}
 
 
 class RefinedIndex:

@@ -12,9 +12,13 @@ from the collection itself, it reaches
   (someone not enrolled, drawn from the collection's own distribution), both less two standard errors
   too (with the default 2000 impostor probes, 99.9 % then means that none disagrees).
 
-Its single-query latency is then measured; the first candidate within ``target_p99_ms`` is kept, else the
-fastest accurate one if it beats the exact scan, else the collection stays exact. Every measurement is
-logged and kept on the index (``FaceIndex.selection``).
+Its single-query latency and its throughput in batches of ``throughput_batch`` queries (what the request
+batcher makes of concurrent requests, ``gallery.batching``) are then measured. Once a candidate is within
+``target_p99_ms``, ``rivals`` more are tried, and of those within it the one serving the most queries per
+second in batches is kept: latency is the constraint, throughput under load the objective (at 1M x 128
+the finer PQ codes answer one query in 2.9 instead of 1.9 ms but serve 1.3x as many batched). With none
+within it, the accurate candidate with the lowest p99 is kept if it beats the exact scan, else the
+collection stays exact. Every measurement is logged and kept on the index (``FaceIndex.selection``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from numpy.typing import NDArray
 
 from gallery.measures import (
     K,
+    batch_throughput,
     decision_agreement,
     exact_search,
     genuine_probes,
@@ -55,8 +60,12 @@ Vectors = NDArray[np.float32]
 @dataclass(frozen=True)
 class IndexConfig:
     exact_max: int = 200_000
-    #: Tried in this order above ``exact_max``; the first that meets every target is kept.
-    candidates: tuple[str, ...] = ("pq4fs", "sq8", "ivf")
+    #: Tried in this order above ``exact_max`` (see the module's docstring for which is kept).
+    candidates: tuple[str, ...] = ("pq4fs", "pq4fs-fine", "sq8", "ivf")
+    #: Candidates tried after the first within ``target_p99_ms``, to compare their batched throughput.
+    rivals: int = 1
+    #: Queries per batch of the throughput measurement.
+    throughput_batch: int = 32
     target_recall: float = 0.99
     target_genuine_agreement: float = 1.0
     target_impostor_agreement: float = 0.999
@@ -96,6 +105,7 @@ class Measurement:
     p50_ms: float | None = None
     p99_ms: float | None = None
     build_s: float = 0.0
+    batch_qps: float | None = None  # queries/s in batches of IndexConfig.throughput_batch
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -236,6 +246,8 @@ def tune(candidate: Candidate, probes: Probes, config: IndexConfig) -> Measureme
     if measured.accurate and config.latency_check:
         measured.p50_ms, measured.p99_ms = latency_ms(lambda q: candidate.search(q, K),
                                                       probes.genuine[: config.latency_queries])
+        measured.batch_qps = batch_throughput(lambda q: candidate.search(q, K), probes.genuine,
+                                              config.throughput_batch)
     return measured
 
 
@@ -247,29 +259,40 @@ def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float 
     exact_p50 = (latency_ms(lambda q: exact_search(q, vectors, ids, K), probes.genuine[:20])[0]
                  if config.latency_check else float("inf"))
     measurements: list[Measurement] = []
-    best: tuple[float, Candidate] | None = None
+    within: list[tuple[float, Candidate]] = []  # (queries/s in batches, candidate) within target_p99_ms
+    fastest: tuple[float, Candidate] | None = None  # (p99, candidate): accurate, beats exact, not within
+    remaining: int | None = None  # candidates still to try once one is within the target
     for kind in config.candidates:
+        if remaining is not None:
+            if remaining == 0:
+                break
+            remaining -= 1
         began = time.perf_counter()
         candidate = make_candidate(kind, ids, vectors, config)
         measured = tune(candidate, probes, config)
         measured.build_s = time.perf_counter() - began
         measurements.append(measured)
-        timing = "-" if measured.p99_ms is None else f"{measured.p50_ms:.2f}/{measured.p99_ms:.2f}"
+        timing = ("-" if measured.p99_ms is None else f"{measured.p50_ms:.2f}/{measured.p99_ms:.2f} ms, "
+                                                      f"{measured.batch_qps or 0:.0f} q/s batched")
         log.info("%s over %d vectors: recall@10 %.4f (lower bound %.4f), decision agreement %.4f genuine / "
-                 "%.4f impostor at effort %d; p50/p99 %s ms (exact p50 %.2f ms)", kind, len(ids),
+                 "%.4f impostor at effort %d; p50/p99 %s (exact p50 %.2f ms)", kind, len(ids),
                  measured.recall, measured.recall_bound, measured.genuine_agreement,
                  measured.impostor_agreement, measured.effort, timing, exact_p50)
         if not measured.accurate:
             continue
         if not config.latency_check:
-            best = (0.0, candidate)
+            within = [(0.0, candidate)]
             break
-        # kept when its median beats the exact scan's (medians: robust to a noisy machine)
-        if (measured.p50_ms is not None and measured.p99_ms is not None and measured.p50_ms < exact_p50
-                and (best is None or measured.p99_ms < best[0])):
-            best = (measured.p99_ms, candidate)
-        if best is not None and best[0] <= config.target_p99_ms:
-            break
+        if measured.p50_ms is None or measured.p99_ms is None or measured.p50_ms >= exact_p50:
+            continue  # kept only when its median beats the exact scan's (medians: robust to noise)
+        if measured.p99_ms <= config.target_p99_ms:
+            within.append((measured.batch_qps or 0.0, candidate))
+            # the best so far stays in memory, the others go now
+            within = [max(within, key=lambda pair: pair[0])]
+            remaining = config.rivals if remaining is None else remaining
+        elif fastest is None or measured.p99_ms < fastest[0]:
+            fastest = (measured.p99_ms, candidate)
+    best = within[0] if within else fastest
     if best is None:
         log.warning("staying exact: no candidate of %s met the targets and beat the exact scan (%.2f ms)",
                     ", ".join(config.candidates), exact_p50)

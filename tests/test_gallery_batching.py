@@ -147,3 +147,44 @@ def test_clients_that_come_right_back_fill_the_next_call() -> None:
     assert sum(sizes) == 160
     assert len(sizes) <= 26, sizes
     assert sum(1 for s in sizes if s == 8) >= 15, sizes
+
+
+def test_a_finished_batch_wakes_its_own_requests_and_one_leader_only() -> None:
+    """Each waiting request sleeps on its own event: when a batch ends, the requests queued behind it stay
+    asleep except the first, which leads the next call (a condition shared by all woke every one of them
+    to re-check, 32 threads per answer at concurrency 32)."""
+    batcher = SearchBatcher(max_queries=2, gather_s=0)
+    entered, proceed = threading.Semaphore(0), threading.Semaphore(0)
+
+    def search(queries: NDArray[np.float32], k: int) -> tuple[NDArray[Any], ...]:
+        entered.release()
+        assert proceed.acquire(timeout=10)
+        return (np.repeat(queries[:, :1], k, axis=1),)
+
+    results: dict[int, float] = {}
+
+    def request(number: int) -> None:
+        results[number] = float(batcher.search("c", np.full((1, 4), number, np.float32), 1, search)[0][0, 0])
+
+    threads = [threading.Thread(target=request, args=(0,))]
+    threads[0].start()
+    assert entered.acquire(timeout=10)  # request 0 leads a call of its own
+    threads += [threading.Thread(target=request, args=(n,)) for n in range(1, 6)]
+    for thread in threads[1:]:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while waiting(batcher, "c") < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    queued = list(batcher._queues["c"].waiting)
+    assert not any(r.wake.is_set() for r in queued)
+    proceed.release()  # the first call ends: request 1 leads the next, with request 2 (max 2 queries)
+    assert entered.acquire(timeout=10)
+    assert [r.wake.is_set() for r in queued] == [True, False, False, False, False]
+    assert [r.lead for r in queued] == [True, False, False, False, False]
+    for _ in range(3):  # the calls of (1, 2), (3, 4) and (5)
+        proceed.release()
+        if _ < 2:
+            assert entered.acquire(timeout=10)
+    for thread in threads:
+        thread.join(10)
+    assert results == {n: float(n) for n in range(6)} and batcher.calls == 4

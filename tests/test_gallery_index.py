@@ -424,7 +424,7 @@ def approximate(kind: str, exact_max: int = 1000) -> IndexConfig:
     return IndexConfig(exact_max=exact_max, candidates=(kind,), latency_check=False)
 
 
-@pytest.mark.parametrize("kind", ["flat", "ivf", "pq4fs", "sq8", "tombstones"])
+@pytest.mark.parametrize("kind", ["flat", "ivf", "pq4fs", "pq4fs-fine", "sq8", "tombstones"])
 def test_face_index_snapshot_round_trip(tmp_path: Path, kind: str) -> None:
     rng = np.random.default_rng(9)
     vectors = clustered(rng, 60, 50, 32)

@@ -12,7 +12,7 @@ from numpy.typing import NDArray
 import gallery.measures as measures
 import gallery.selection as selection
 from gallery.index import FaceIndex, IndexConfig, IndexKind
-from gallery.refine import RefinedIndex, pq4_fast_scan
+from gallery.refine import RefinedIndex, pq4_fast_scan, pq4_fast_scan_fine
 from tests.gallery_helpers import unit_vectors
 
 
@@ -36,7 +36,7 @@ def brute(queries: NDArray[np.float32], ids: NDArray[np.int64], vectors: NDArray
 # --- RefinedIndex ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codes", ["pq4fs", "sq8"])
+@pytest.mark.parametrize("codes", ["pq4fs", "pq4fs-fine", "sq8"])
 @pytest.mark.parametrize("shards", [1, 2])
 def test_refined_index_with_full_rerank_is_exact_through_adds_and_removals(codes: str, shards: int) -> None:
     """Re-ranking every candidate makes the refined index exact: it must then equal brute force, scores
@@ -184,6 +184,82 @@ def test_exact_is_kept_when_it_is_faster() -> None:
     (measured,) = index.selection
     assert index.kind is IndexKind.FLAT
     assert measured.accurate and measured.p99_ms is not None and measured.p99_ms > 0
+
+
+def test_fine_codes_have_twice_the_subquantizers() -> None:
+    assert [pq4_fast_scan(d).M for d in (32, 128, 512)] == [16, 64, 64]
+    assert [pq4_fast_scan_fine(d).M for d in (32, 128, 512)] == [32, 128, 128]
+
+
+def pinned_timings(monkeypatch: pytest.MonkeyPatch, latency: dict[str, tuple[float, float]],
+                   batched: dict[str, float]) -> list[str]:
+    """``select``'s timings pinned per candidate, in the order it measures them (the exact scan first);
+    returns the kinds timed."""
+    order = ["exact", *latency]
+    timed: list[str] = []
+
+    def latency_ms(search: object, queries: object) -> tuple[float, float]:
+        timed.append(order[len(timed)])
+        return (100.0, 100.0) if timed[-1] == "exact" else latency[timed[-1]]
+
+    monkeypatch.setattr(selection, "latency_ms", latency_ms)
+    monkeypatch.setattr(selection, "batch_throughput", lambda search, queries, batch: batched[timed[-1]])
+    return timed
+
+
+@pytest.mark.parametrize(("latency", "batched", "kept"), [
+    # both within the p99 target: the one serving more queries per second in batches
+    ({"pq4fs": (1.0, 2.0), "pq4fs-fine": (2.0, 3.0)}, {"pq4fs": 500.0, "pq4fs-fine": 900.0}, "pq4fs-fine"),
+    ({"pq4fs": (1.0, 2.0), "pq4fs-fine": (2.0, 3.0)}, {"pq4fs": 900.0, "pq4fs-fine": 500.0}, "pq4fs"),
+    # more throughput is no reason to exceed the latency target
+    ({"pq4fs": (1.0, 2.0), "pq4fs-fine": (2.0, 6.0)}, {"pq4fs": 500.0, "pq4fs-fine": 900.0}, "pq4fs"),
+])
+def test_the_most_throughput_within_the_latency_target_is_kept(
+        monkeypatch: pytest.MonkeyPatch, latency: dict[str, tuple[float, float]], batched: dict[str, float],
+        kept: str) -> None:
+    """Once a candidate is within the p99 target, ``rivals`` (1) more are tried, not the rest."""
+    vectors = face_like(300, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    timed = pinned_timings(monkeypatch, latency, batched)
+    index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000))
+    assert IndexConfig().candidates[:3] == ("pq4fs", "pq4fs-fine", "sq8")
+    assert timed == ["exact", "pq4fs", "pq4fs-fine"]  # sq8 and ivf were not built
+    assert [m.kind for m in index.selection] == ["pq4fs", "pq4fs-fine"]
+    assert [m.batch_qps for m in index.selection] == [batched["pq4fs"], batched["pq4fs-fine"]]
+    assert index.kind is IndexKind(kept) and len(index) == len(ids)
+    _, found = index.search(vectors[:5], 1)
+    assert found[:, 0].tolist() == ids[:5].tolist()
+
+
+def test_rivals_are_tried_only_after_a_candidate_within_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first candidate above the p99 target does not start the count: the next ones are tried until
+    one is within it, then one more; with none within, the lowest p99 that beats exact is kept."""
+    vectors = face_like(300, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    config = IndexConfig(exact_max=1000, candidates=("pq4fs", "pq4fs-fine", "sq8", "ivf"))
+    timed = pinned_timings(monkeypatch, {"pq4fs": (4.0, 9.0), "pq4fs-fine": (3.0, 8.0), "sq8": (2.0, 4.0),
+                                         "ivf": (1.0, 2.0)},
+                           {"pq4fs": 1.0, "pq4fs-fine": 1.0, "sq8": 1.0, "ivf": 5.0})
+    index = FaceIndex.build(32, ids, vectors, config)
+    assert timed[:4] == ["exact", "pq4fs", "pq4fs-fine", "sq8"]
+    assert index.kind in (IndexKind.SQ8, IndexKind.IVF)  # ivf kept only if it reached the recall
+    none_within = pinned_timings(monkeypatch, {"pq4fs": (4.0, 9.0), "pq4fs-fine": (3.0, 8.0)},
+                                 {"pq4fs": 1.0, "pq4fs-fine": 1.0})
+    fallback = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000,
+                                                             candidates=("pq4fs", "pq4fs-fine")))
+    assert none_within == ["exact", "pq4fs", "pq4fs-fine"] and fallback.kind is IndexKind.PQ4FS_FINE
+
+
+def test_batch_throughput_is_queries_per_second_of_batched_calls() -> None:
+    calls: list[list[int]] = []
+
+    def search(queries: NDArray[np.float32]) -> None:
+        calls.append(queries[:, 0].astype(int).tolist())
+
+    queries = np.arange(70, dtype=np.float32)[:, None].repeat(4, axis=1)
+    rate = measures.batch_throughput(search, queries, 32, calls=4)
+    assert rate > 0 and [len(c) for c in calls] == [32] * 5  # a warm-up, then successive full slices
+    assert calls[2][:7] == [64, 65, 66, 67, 68, 69, 0]  # wrapping around
 
 
 def test_unknown_candidate_is_a_clear_error() -> None:
