@@ -186,6 +186,24 @@ def test_exact_is_kept_when_it_is_faster() -> None:
     assert measured.accurate and measured.p99_ms is not None and measured.p99_ms > 0
 
 
+def test_a_lone_query_and_a_batch_use_their_own_kernels_and_agree() -> None:
+    """A lone query scans with FAISS's per-query kernel (14), a batch with FAISS's own choice (0); both
+    give the same answers, one query at a time or all at once."""
+    vectors = face_like(400, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    index = RefinedIndex.train("pq4fs-fine", 32, vectors, 2, rerank=32)
+    index.add_with_ids(vectors, ids)
+    queries = measures.genuine_probes(vectors, 40, seed=5)
+    alone = [index.search(q[None], 10) for q in queries]
+    assert {shard.implem for shard in index._shards} == {14}
+    batch = index.search(queries, 10)
+    assert {shard.implem for shard in index._shards} == {0}
+    np.testing.assert_array_equal(np.concatenate([ids for _, ids in alone]), batch[1])
+    np.testing.assert_allclose(np.concatenate([scores for scores, _ in alone]), batch[0], atol=1e-6)
+    index.search(queries[:1], 21)  # a deep top-k: FAISS's own choice even alone
+    assert {shard.implem for shard in index._shards} == {0}
+
+
 def test_fine_codes_have_twice_the_subquantizers() -> None:
     assert [pq4_fast_scan(d).M for d in (32, 128, 512)] == [16, 64, 64]
     assert [pq4_fast_scan_fine(d).M for d in (32, 128, 512)] == [32, 128, 128]
