@@ -12,12 +12,13 @@ from the collection itself, it reaches
   (someone not enrolled, drawn from the collection's own distribution), both less two standard errors
   too (with the default 2000 impostor probes, 99.9 % then means that none disagrees).
 
-Its single-query latency and its throughput in batches of ``throughput_batch`` queries (what the request
-batcher makes of concurrent requests, ``gallery.batching``) are then measured. Once a candidate is within
-``target_p99_ms``, ``rivals`` more are tried, and of those within it the one serving the most queries per
-second in batches is kept: latency is the constraint, throughput under load the objective (at 1M x 128
-the finer PQ codes answer one query in 2.9 instead of 1.9 ms but serve 1.3x as many batched). With none
-within it, the accurate candidate with the lowest p99 is kept if it beats the exact scan, else the
+Its single-query latency (the better of two passes) and its throughput in batches of
+``throughput_batch`` queries (what the request batcher makes of concurrent requests,
+``gallery.batching``) are then measured. Once a candidate is within ``target_p99_ms``, ``rivals`` more
+are tried, and of those within it the one serving the most queries per second in batches is kept:
+latency is the constraint, throughput under load the objective (at 1M x 128 the finer PQ codes answer
+one query in about the same time and serve about twice as many batched). With none within it, the
+accurate candidate with the lowest p99 is kept if it beats the exact scan, else the
 collection stays exact. Every measurement is logged and kept on the index (``FaceIndex.selection``).
 """
 
@@ -86,6 +87,10 @@ class IndexConfig:
     max_scan_fraction: float = 0.5
     #: Rebuild a tombstoned (GPU) index when this fraction of its vectors is removed.
     compact_fraction: float = 0.1
+
+
+#: Single-query latency passes per candidate (the better p50 and p99 are kept).
+LATENCY_PASSES = 2
 
 
 # --- candidates --------------------------------------------------------------------------------
@@ -244,8 +249,11 @@ def tune(candidate: Candidate, probes: Probes, config: IndexConfig) -> Measureme
     if measured is None:
         raise ValueError(f"{candidate.kind}: no search effort to try")
     if measured.accurate and config.latency_check:
-        measured.p50_ms, measured.p99_ms = latency_ms(lambda q: candidate.search(q, K),
-                                                      probes.genuine[: config.latency_queries])
+        # the better of LATENCY_PASSES passes for each figure: a shared machine's noise only slows a
+        # pass down (one slow moment made a 5.03 ms p99 of a candidate whose other passes gave 3-4 ms)
+        passes = [latency_ms(lambda q: candidate.search(q, K), probes.genuine[: config.latency_queries])
+                  for _ in range(LATENCY_PASSES)]
+        measured.p50_ms, measured.p99_ms = min(p50 for p50, _ in passes), min(p99 for _, p99 in passes)
         measured.batch_qps = batch_throughput(lambda q: candidate.search(q, K), probes.genuine,
                                               config.throughput_batch)
     return measured
