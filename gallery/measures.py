@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import faiss
@@ -121,3 +121,19 @@ def batch_throughput(search: Callable[[Vectors], Any], queries: Vectors, batch: 
         search(part)
         rates.append(len(part) / max(time.perf_counter() - began, 1e-9))
     return float(np.median(rates))
+
+
+def paired_batch_throughput(searches: Sequence[Callable[[Vectors], Any]], queries: Vectors, batch: int,
+                            rounds: int = 7) -> list[float]:
+    """``batch_throughput`` of several searches measured in alternation (the order reversed every round,
+    so a drifting machine slows them alike): the median rate of each over ``rounds`` calls."""
+    rates: list[list[float]] = [[] for _ in searches]
+    for number in range(rounds + 1):
+        order = list(range(len(searches)))[:: 1 if number % 2 == 0 else -1]
+        part = queries[np.arange(number * batch, (number + 1) * batch) % len(queries)]
+        for which in order:
+            began = time.perf_counter()
+            searches[which](part)
+            if number:  # the first round warms up
+                rates[which].append(len(part) / max(time.perf_counter() - began, 1e-9))
+    return [float(np.median(r)) for r in rates]

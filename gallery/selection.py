@@ -15,9 +15,10 @@ from the collection itself, it reaches
 Its single-query latency (the better of two passes) and its throughput in batches of
 ``throughput_batch`` queries (what the request batcher makes of concurrent requests,
 ``gallery.batching``) are then measured. Once a candidate is within ``target_p99_ms``, ``rivals`` more
-are tried, and of those within it the one serving the most queries per second in batches is kept:
-latency is the constraint, throughput under load the objective (at 1M x 128 the finer PQ codes answer
-one query in about the same time and serve about twice as many batched). With none within it, the
+are tried, and a rival within it replaces the candidate kept so far when it serves at least
+``rival_margin`` times its queries per second in batches, the two measured side by side: latency is the
+constraint, throughput under load the objective (at 1M x 128 the finer PQ codes answer one query about
+as fast and serve about twice as many batched; at 512-d they only double the scan). With none within it, the
 accurate candidate with the lowest p99 is kept if it beats the exact scan, else the
 collection stays exact. Every measurement is logged and kept on the index (``FaceIndex.selection``).
 """
@@ -43,6 +44,7 @@ from gallery.measures import (
     genuine_probes,
     impostor_probes,
     latency_ms,
+    paired_batch_throughput,
     proportion_lower_bound,
     recall_at_k,
     recall_lower_bound,
@@ -67,6 +69,9 @@ class IndexConfig:
     rivals: int = 1
     #: Queries per batch of the throughput measurement.
     throughput_batch: int = 32
+    #: A rival replaces the candidate kept so far only when it serves this many times its queries per
+    #: second in batches (measured side by side): smaller differences are this machine's noise.
+    rival_margin: float = 1.25
     target_recall: float = 0.99
     target_genuine_agreement: float = 1.0
     target_impostor_agreement: float = 0.999
@@ -259,6 +264,16 @@ def tune(candidate: Candidate, probes: Probes, config: IndexConfig) -> Measureme
     return measured
 
 
+def replaces(kept: Candidate, rival: Candidate, probes: Probes, config: IndexConfig) -> bool:
+    """Whether ``rival`` serves at least ``rival_margin`` times the queries per second of ``kept`` in
+    batches, the two measured in alternation (this machine's drift falls on both alike)."""
+    kept_qps, rival_qps = paired_batch_throughput(
+        [lambda q: kept.search(q, K), lambda q: rival.search(q, K)], probes.genuine, config.throughput_batch)
+    log.info("%s against %s in batches of %d: %.0f against %.0f queries/s (kept when at least %.2fx)",
+             rival.kind, kept.kind, config.throughput_batch, rival_qps, kept_qps, config.rival_margin)
+    return rival_qps >= config.rival_margin * kept_qps
+
+
 def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float | None, config: IndexConfig
            ) -> tuple[Candidate | None, list[Measurement], float]:
     """(the chosen candidate or None for exact, every measurement, the exact scan's median in ms)."""
@@ -267,7 +282,7 @@ def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float 
     exact_p50 = (latency_ms(lambda q: exact_search(q, vectors, ids, K), probes.genuine[:20])[0]
                  if config.latency_check else float("inf"))
     measurements: list[Measurement] = []
-    within: list[tuple[float, Candidate]] = []  # (queries/s in batches, candidate) within target_p99_ms
+    kept: Candidate | None = None  # the candidate to keep among those within target_p99_ms
     fastest: tuple[float, Candidate] | None = None  # (p99, candidate): accurate, beats exact, not within
     remaining: int | None = None  # candidates still to try once one is within the target
     for kind in config.candidates:
@@ -289,18 +304,17 @@ def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float 
         if not measured.accurate:
             continue
         if not config.latency_check:
-            within = [(0.0, candidate)]
+            kept = candidate
             break
         if measured.p50_ms is None or measured.p99_ms is None or measured.p50_ms >= exact_p50:
             continue  # kept only when its median beats the exact scan's (medians: robust to noise)
         if measured.p99_ms <= config.target_p99_ms:
-            within.append((measured.batch_qps or 0.0, candidate))
-            # the best so far stays in memory, the others go now
-            within = [max(within, key=lambda pair: pair[0])]
+            if kept is None or replaces(kept, candidate, probes, config):
+                kept = candidate  # the one kept stays in memory, the others go now
             remaining = config.rivals if remaining is None else remaining
         elif fastest is None or measured.p99_ms < fastest[0]:
             fastest = (measured.p99_ms, candidate)
-    best = within[0] if within else fastest
+    best = (0.0, kept) if kept is not None else fastest
     if best is None:
         log.warning("staying exact: no candidate of %s met the targets and beat the exact scan (%.2f ms)",
                     ", ".join(config.candidates), exact_p50)

@@ -227,15 +227,20 @@ def pinned_timings(monkeypatch: pytest.MonkeyPatch, latency: dict[str, tuple[flo
         first = calls.count(calls[-1]) == 1  # the first pass slower: the better one is kept
         return (p50 + 5, p99 + 5) if first else (p50, p99)
 
+    def side_by_side(searches: object, queries: object, batch: int) -> list[float]:
+        return [batched[timed[-2]], batched[timed[-1]]]  # the one kept so far, then the rival just timed
+
     monkeypatch.setattr(selection, "latency_ms", latency_ms)
     monkeypatch.setattr(selection, "batch_throughput", lambda search, queries, batch: batched[timed[-1]])
+    monkeypatch.setattr(selection, "paired_batch_throughput", side_by_side)
     return timed
 
 
 @pytest.mark.parametrize(("latency", "batched", "kept"), [
-    # both within the p99 target: the one serving more queries per second in batches
+    # both within the p99 target: the rival when it serves 1.25x the queries per second in batches
     ({"pq4fs": (1.0, 2.0), "pq4fs-fine": (2.0, 3.0)}, {"pq4fs": 500.0, "pq4fs-fine": 900.0}, "pq4fs-fine"),
     ({"pq4fs": (1.0, 2.0), "pq4fs-fine": (2.0, 3.0)}, {"pq4fs": 900.0, "pq4fs-fine": 500.0}, "pq4fs"),
+    ({"pq4fs": (1.0, 2.0), "pq4fs-fine": (2.0, 3.0)}, {"pq4fs": 500.0, "pq4fs-fine": 600.0}, "pq4fs"),
     # more throughput is no reason to exceed the latency target
     ({"pq4fs": (1.0, 2.0), "pq4fs-fine": (2.0, 6.0)}, {"pq4fs": 500.0, "pq4fs-fine": 900.0}, "pq4fs"),
 ])
@@ -273,6 +278,14 @@ def test_rivals_are_tried_only_after_a_candidate_within_the_target(monkeypatch: 
     fallback = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000,
                                                              candidates=("pq4fs", "pq4fs-fine")))
     assert none_within == ["exact", "pq4fs", "pq4fs-fine"] and fallback.kind is IndexKind.PQ4FS_FINE
+
+
+def test_paired_throughput_alternates_the_searches() -> None:
+    order: list[str] = []
+    queries = np.zeros((10, 4), np.float32)
+    rates = measures.paired_batch_throughput([lambda q: order.append("a"), lambda q: order.append("b")],
+                                             queries, 4, rounds=3)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"] and len(rates) == 2 and min(rates) > 0
 
 
 def test_batch_throughput_is_queries_per_second_of_batched_calls() -> None:
