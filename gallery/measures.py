@@ -11,11 +11,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import faiss
 import numpy as np
 from numpy.typing import NDArray
+
+from gallery.batching import SearchBatcher
 
 Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
@@ -108,32 +111,32 @@ def latency_ms(search: Callable[[Vectors], Any], queries: Vectors) -> tuple[floa
     return float(p50), float(p99)
 
 
-def batch_throughput(search: Callable[[Vectors], Any], queries: Vectors, batch: int, calls: int = 5) -> float:
-    """Queries per second of ``search`` given ``batch`` queries per call: the median rate of ``calls``
-    calls on successive slices of ``queries`` (wrapping around; after one warm-up call)."""
-    batch = max(1, min(batch, len(queries)))
-    parts = [queries[np.arange(number * batch, (number + 1) * batch) % len(queries)]
-             for number in range(calls + 1)]
-    search(parts[0])
-    rates = []
-    for part in parts[1:]:
+def concurrent_throughput(search: Callable[[Vectors, int], tuple[Vectors, Ids]], queries: Vectors,
+                          concurrency: int, requests: int) -> float:
+    """Queries per second of ``requests`` one-query requests (top ``K``) sent by ``concurrency`` threads
+    at once through the request batcher, as a gateway under load sends them (``gallery.batching``)."""
+    batcher = SearchBatcher()
+
+    def one(number: int) -> None:
+        batcher.search("measure", queries[number % len(queries)][None], K, search)
+
+    with ThreadPoolExecutor(concurrency) as pool:
         began = time.perf_counter()
-        search(part)
-        rates.append(len(part) / max(time.perf_counter() - began, 1e-9))
-    return float(np.median(rates))
+        list(pool.map(one, range(requests)))
+        return requests / max(time.perf_counter() - began, 1e-9)
 
 
-def paired_batch_throughput(searches: Sequence[Callable[[Vectors], Any]], queries: Vectors, batch: int,
-                            rounds: int = 7) -> list[float]:
-    """``batch_throughput`` of several searches measured in alternation (the order reversed every round,
-    so a drifting machine slows them alike): the median rate of each over ``rounds`` calls."""
+def paired_concurrent_throughput(searches: Sequence[Callable[[Vectors, int], tuple[Vectors, Ids]]],
+                                 queries: Vectors, concurrency: int, requests: int, rounds: int = 3
+                                 ) -> list[float]:
+    """``concurrent_throughput`` of several searches measured in alternation (the order reversed every
+    round, so a drifting machine slows them alike): the median of ``rounds`` runs of each, after one
+    short warm-up run of each."""
     rates: list[list[float]] = [[] for _ in searches]
     for number in range(rounds + 1):
-        order = list(range(len(searches)))[:: 1 if number % 2 == 0 else -1]
-        part = queries[np.arange(number * batch, (number + 1) * batch) % len(queries)]
-        for which in order:
-            began = time.perf_counter()
-            searches[which](part)
-            if number:  # the first round warms up
-                rates[which].append(len(part) / max(time.perf_counter() - began, 1e-9))
+        for which in list(range(len(searches)))[:: 1 if number % 2 == 0 else -1]:
+            rate = concurrent_throughput(searches[which], queries, concurrency,
+                                         requests if number else concurrency)
+            if number:
+                rates[which].append(rate)
     return [float(np.median(r)) for r in rates]

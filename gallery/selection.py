@@ -12,15 +12,16 @@ from the collection itself, it reaches
   (someone not enrolled, drawn from the collection's own distribution), both less two standard errors
   too (with the default 2000 impostor probes, 99.9 % then means that none disagrees).
 
-Its single-query latency (the better of two passes) and its throughput in batches of
-``throughput_batch`` queries (what the request batcher makes of concurrent requests,
-``gallery.batching``) are then measured. Once a candidate is within ``target_p99_ms``, ``rivals`` more
-are tried, and a rival within it replaces the candidate kept so far when it serves at least
-``rival_margin`` times its queries per second in batches, the two measured side by side: latency is the
-constraint, throughput under load the objective (at 1M x 128 the finer PQ codes answer one query about
-as fast and serve about twice as many batched; at 512-d they only double the scan). With none within it, the
-accurate candidate with the lowest p99 is kept if it beats the exact scan, else the
-collection stays exact. Every measurement is logged and kept on the index (``FaceIndex.selection``).
+Its single-query latency (the better of two passes) and its throughput under load (queries/s of
+``throughput_concurrency`` concurrent one-query requests through the request batcher,
+``gallery.batching``, as a gateway sends them) are then measured. Once a candidate is within
+``target_p99_ms``, ``rivals`` more are tried, and a rival within it replaces the candidate kept so far
+when it serves at least ``rival_margin`` times its queries per second under load, the two measured side
+by side: latency is the constraint, throughput under load the objective (at 1M x 128 the finer PQ codes
+answer one query about as fast and serve about twice as many under load; at 512-d they only double the
+scan). With none within it, the accurate candidate with the lowest p99 is kept if it beats the exact
+scan, else the collection stays exact. Every measurement is logged and kept on the index
+(``FaceIndex.selection``).
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from numpy.typing import NDArray
 
 from gallery.measures import (
     K,
-    batch_throughput,
+    concurrent_throughput,
     decision_agreement,
     exact_search,
     genuine_probes,
     impostor_probes,
     latency_ms,
-    paired_batch_throughput,
+    paired_concurrent_throughput,
     proportion_lower_bound,
     recall_at_k,
     recall_lower_bound,
@@ -65,12 +66,13 @@ class IndexConfig:
     exact_max: int = 200_000
     #: Tried in this order above ``exact_max`` (see the module's docstring for which is kept).
     candidates: tuple[str, ...] = ("pq4fs", "pq4fs-fine", "sq8", "ivf")
-    #: Candidates tried after the first within ``target_p99_ms``, to compare their batched throughput.
+    #: Candidates tried after the first within ``target_p99_ms``, to compare their throughput under load.
     rivals: int = 1
-    #: Queries per batch of the throughput measurement.
-    throughput_batch: int = 32
+    #: Concurrent one-query requests, and requests in all, of the throughput measurement.
+    throughput_concurrency: int = 32
+    throughput_requests: int = 320
     #: A rival replaces the candidate kept so far only when it serves this many times its queries per
-    #: second in batches (measured side by side): smaller differences are this machine's noise.
+    #: second under load (measured side by side): smaller differences are this machine's noise.
     rival_margin: float = 1.25
     target_recall: float = 0.99
     target_genuine_agreement: float = 1.0
@@ -115,7 +117,7 @@ class Measurement:
     p50_ms: float | None = None
     p99_ms: float | None = None
     build_s: float = 0.0
-    batch_qps: float | None = None  # queries/s in batches of IndexConfig.throughput_batch
+    concurrent_qps: float | None = None  # queries/s of IndexConfig.throughput_concurrency requests at once
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -259,18 +261,19 @@ def tune(candidate: Candidate, probes: Probes, config: IndexConfig) -> Measureme
         passes = [latency_ms(lambda q: candidate.search(q, K), probes.genuine[: config.latency_queries])
                   for _ in range(LATENCY_PASSES)]
         measured.p50_ms, measured.p99_ms = min(p50 for p50, _ in passes), min(p99 for _, p99 in passes)
-        measured.batch_qps = batch_throughput(lambda q: candidate.search(q, K), probes.genuine,
-                                              config.throughput_batch)
+        measured.concurrent_qps = concurrent_throughput(
+            candidate.search, probes.genuine, config.throughput_concurrency, config.throughput_requests)
     return measured
 
 
 def replaces(kept: Candidate, rival: Candidate, probes: Probes, config: IndexConfig) -> bool:
-    """Whether ``rival`` serves at least ``rival_margin`` times the queries per second of ``kept`` in
-    batches, the two measured in alternation (this machine's drift falls on both alike)."""
-    kept_qps, rival_qps = paired_batch_throughput(
-        [lambda q: kept.search(q, K), lambda q: rival.search(q, K)], probes.genuine, config.throughput_batch)
-    log.info("%s against %s in batches of %d: %.0f against %.0f queries/s (kept when at least %.2fx)",
-             rival.kind, kept.kind, config.throughput_batch, rival_qps, kept_qps, config.rival_margin)
+    """Whether ``rival`` serves at least ``rival_margin`` times the queries per second of ``kept`` under
+    load, the two measured in alternation (this machine's drift falls on both alike)."""
+    kept_qps, rival_qps = paired_concurrent_throughput([kept.search, rival.search], probes.genuine,
+                                                       config.throughput_concurrency,
+                                                       config.throughput_requests)
+    log.info("%s against %s, %d requests at once: %.0f against %.0f queries/s (kept when at least %.2fx)",
+             rival.kind, kept.kind, config.throughput_concurrency, rival_qps, kept_qps, config.rival_margin)
     return rival_qps >= config.rival_margin * kept_qps
 
 
@@ -296,7 +299,7 @@ def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float 
         measured.build_s = time.perf_counter() - began
         measurements.append(measured)
         timing = ("-" if measured.p99_ms is None else f"{measured.p50_ms:.2f}/{measured.p99_ms:.2f} ms, "
-                                                      f"{measured.batch_qps or 0:.0f} q/s batched")
+                                                      f"{measured.concurrent_qps or 0:.0f} q/s under load")
         log.info("%s over %d vectors: recall@10 %.4f (lower bound %.4f), decision agreement %.4f genuine / "
                  "%.4f impostor at effort %d; p50/p99 %s (exact p50 %.2f ms)", kind, len(ids),
                  measured.recall, measured.recall_bound, measured.genuine_agreement,

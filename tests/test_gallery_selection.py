@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -227,12 +230,13 @@ def pinned_timings(monkeypatch: pytest.MonkeyPatch, latency: dict[str, tuple[flo
         first = calls.count(calls[-1]) == 1  # the first pass slower: the better one is kept
         return (p50 + 5, p99 + 5) if first else (p50, p99)
 
-    def side_by_side(searches: object, queries: object, batch: int) -> list[float]:
+    def side_by_side(searches: object, queries: object, concurrency: int, requests: int) -> list[float]:
         return [batched[timed[-2]], batched[timed[-1]]]  # the one kept so far, then the rival just timed
 
     monkeypatch.setattr(selection, "latency_ms", latency_ms)
-    monkeypatch.setattr(selection, "batch_throughput", lambda search, queries, batch: batched[timed[-1]])
-    monkeypatch.setattr(selection, "paired_batch_throughput", side_by_side)
+    monkeypatch.setattr(selection, "concurrent_throughput",
+                        lambda search, queries, concurrency, requests: batched[timed[-1]])
+    monkeypatch.setattr(selection, "paired_concurrent_throughput", side_by_side)
     return timed
 
 
@@ -255,7 +259,7 @@ def test_the_most_throughput_within_the_latency_target_is_kept(
     assert IndexConfig().candidates[:3] == ("pq4fs", "pq4fs-fine", "sq8")
     assert timed == ["exact", "pq4fs", "pq4fs-fine"]  # sq8 and ivf were not built
     assert [m.kind for m in index.selection] == ["pq4fs", "pq4fs-fine"]
-    assert [m.batch_qps for m in index.selection] == [batched["pq4fs"], batched["pq4fs-fine"]]
+    assert [m.concurrent_qps for m in index.selection] == [batched["pq4fs"], batched["pq4fs-fine"]]
     assert index.kind is IndexKind(kept) and len(index) == len(ids)
     _, found = index.search(vectors[:5], 1)
     assert found[:, 0].tolist() == ids[:5].tolist()
@@ -280,24 +284,24 @@ def test_rivals_are_tried_only_after_a_candidate_within_the_target(monkeypatch: 
     assert none_within == ["exact", "pq4fs", "pq4fs-fine"] and fallback.kind is IndexKind.PQ4FS_FINE
 
 
-def test_paired_throughput_alternates_the_searches() -> None:
-    order: list[str] = []
+def test_throughput_under_load_goes_through_the_batcher_and_pairs_alternate() -> None:
+    calls: list[tuple[str, int]] = []
     queries = np.zeros((10, 4), np.float32)
-    rates = measures.paired_batch_throughput([lambda q: order.append("a"), lambda q: order.append("b")],
-                                             queries, 4, rounds=3)
-    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"] and len(rates) == 2 and min(rates) > 0
 
+    def search(name: str) -> Callable[[NDArray[np.float32], int], tuple[NDArray[Any], NDArray[Any]]]:
+        def run(batch: NDArray[np.float32], k: int) -> tuple[NDArray[Any], NDArray[Any]]:
+            calls.append((name, len(batch)))
+            time.sleep(0.002)  # long enough for requests to queue behind a running search
+            return np.zeros((len(batch), k), np.float32), np.zeros((len(batch), k), np.int64)
+        return run
 
-def test_batch_throughput_is_queries_per_second_of_batched_calls() -> None:
-    calls: list[list[int]] = []
-
-    def search(queries: NDArray[np.float32]) -> None:
-        calls.append(queries[:, 0].astype(int).tolist())
-
-    queries = np.arange(70, dtype=np.float32)[:, None].repeat(4, axis=1)
-    rate = measures.batch_throughput(search, queries, 32, calls=4)
-    assert rate > 0 and [len(c) for c in calls] == [32] * 5  # a warm-up, then successive full slices
-    assert calls[2][:7] == [64, 65, 66, 67, 68, 69, 0]  # wrapping around
+    rate = measures.concurrent_throughput(search("a"), queries, 8, 64)
+    assert rate > 0 and sum(n for _, n in calls) == 64 and max(n for _, n in calls) > 1  # batched
+    calls.clear()
+    rates = measures.paired_concurrent_throughput([search("a"), search("b")], queries, 4, 16, rounds=2)
+    runs = [name for index, (name, _) in enumerate(calls) if index == 0 or calls[index - 1][0] != name]
+    # a warm-up of each, then rounds in reversed order: a b | b a | a b (without the reversal: a b a b a b)
+    assert runs == ["a", "b", "a", "b"] and len(rates) == 2 and min(rates) > 0
 
 
 def test_unknown_candidate_is_a_clear_error() -> None:
