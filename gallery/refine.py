@@ -49,16 +49,20 @@ def pq4_fast_scan(dimension: int) -> Any:
 
 def pq4_fast_scan_fine(dimension: int) -> Any:
     """Twice the sub-quantizers of ``pq4_fast_scan`` (one per dimension at 128-d: 64 bytes per face): a
-    scan twice as long, codes accurate enough for a short re-rank. Measured at 1M x 128 (2 cores): 32
-    candidates agree with exact search on every genuine and impostor probe where ``pq4_fast_scan`` needs
-    1024-2048; one query takes longer (2.9 against 1.9 ms), but a batch of 32 costs a sixth as much per
-    query as one query alone instead of a third (the long re-rank and its deep top-k per shard do not
-    batch): 1,970 against 1,470 queries/s."""
+    scan twice as long, codes accurate enough for a short re-rank. Measured at 1M x 128 (face-like data,
+    SFace's threshold, 2 cores): 32 candidates agree with exact search on every genuine and impostor probe
+    where ``pq4_fast_scan`` needs 2048, and under load (32 one-query requests at once through the request
+    batcher) it served 1.6-2.2x the queries per second in side-by-side runs (the coarse codes' deep
+    re-rank does not batch). At 512-d both need 16 candidates and the coarse codes are simply cheaper."""
     return _pq4(dimension, min(128, dimension))
 
 
 def sq8(dimension: int) -> Any:
     return faiss.IndexScalarQuantizer(dimension, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+
+
+#: Floats of candidate vectors gathered at once by a re-rank (16 MiB).
+RERANK_FLOATS = 1 << 22
 
 
 def fast_scan_kernel(index: Any, batched: bool, k: int) -> None:
@@ -169,8 +173,14 @@ class RefinedIndex:
         # ``rerank`` candidates in all, split over the shards; each still gives k (the true top-k may
         # all be in one shard)
         rows = self._candidates(queries, max(k, -(-self.rerank // len(self._shards))))
-        gathered = self._vectors[np.maximum(rows, 0)]  # [nq, candidates, d]
-        scores = np.matmul(gathered, queries[:, :, None])[:, :, 0]
+        scores = np.empty(rows.shape, np.float32)
+        # the candidates' vectors gathered for a few queries at a time: [queries, candidates, d] floats
+        # for all 2500 probes of a build at a 2048-deep re-rank were 2.6 GB
+        step = max(1, RERANK_FLOATS // max(1, rows.shape[1] * self.d))
+        for start in range(0, len(queries), step):
+            part = slice(start, start + step)
+            gathered = self._vectors[np.maximum(rows[part], 0)]  # [step, candidates, d]
+            scores[part] = np.matmul(gathered, queries[part, :, None])[:, :, 0]
         scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)
         if scores.shape[1] > k:  # the k best (ties at the k-th place: any of them), then ordered
             keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]

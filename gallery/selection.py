@@ -18,10 +18,10 @@ Its single-query latency (the better of two passes) and its throughput under loa
 ``target_p99_ms``, ``rivals`` more are tried, and a rival within it replaces the candidate kept so far
 when it serves at least ``rival_margin`` times its queries per second under load, the two measured side
 by side: latency is the constraint, throughput under load the objective (at 1M x 128 the finer PQ codes
-answer one query about as fast and serve about twice as many under load; at 512-d they only double the
-scan). With none within it, the accurate candidate with the lowest p99 is kept if it beats the exact
-scan, else the collection stays exact. Every measurement is logged and kept on the index
-(``FaceIndex.selection``).
+answer one query about as fast and serve 1.2-1.5x as many at concurrency 8, 1.5-2.2x at 32; at 512-d
+they only double the scan). With none within it, the accurate candidate with the lowest p99 is kept if
+it beats the exact scan, else the collection stays exact. Every measurement is logged and kept on the
+index (``FaceIndex.selection``).
 """
 
 from __future__ import annotations
@@ -68,9 +68,12 @@ class IndexConfig:
     candidates: tuple[str, ...] = ("pq4fs", "pq4fs-fine", "sq8", "ivf")
     #: Candidates tried after the first within ``target_p99_ms``, to compare their throughput under load.
     rivals: int = 1
-    #: Concurrent one-query requests, and requests in all, of the throughput measurement.
-    throughput_concurrency: int = 32
-    throughput_requests: int = 320
+    #: Concurrent one-query requests, and requests in all, of the throughput measurement: about what a
+    #: gateway's searches reach (they run on asyncio's default thread pool, min(32, CPUs + 4) threads:
+    #: 6 on 2 cores). With 32 threads the measurement also left ~200-300 MB of freed memory in their
+    #: allocator arenas, kept by the process after the build.
+    throughput_concurrency: int = 8
+    throughput_requests: int = 160
     #: A rival replaces the candidate kept so far only when it serves this many times its queries per
     #: second under load (measured side by side): smaller differences are this machine's noise.
     rival_margin: float = 1.25
