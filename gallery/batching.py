@@ -12,8 +12,8 @@ each engine call serves many requests: the scan of a million vectors is shared i
 
 Each waiting request sleeps on an event of its own, set when its answer is ready or when it becomes the
 next leader: finishing a batch wakes the requests it answered and one leader, not every waiting thread
-(with one shared condition, each answer woke all 32 threads of a concurrency-32 load to re-check it,
-and their contention for the interpreter cost more than the batched search saved).
+(with one condition shared by all, every batch woke every waiting thread to re-check its own state, each
+taking the interpreter's lock in turn: 32 wake-ups per batch at a concurrency of 32).
 """
 
 from __future__ import annotations

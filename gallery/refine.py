@@ -71,6 +71,7 @@ def fast_scan_kernel(index: Any, batched: bool, k: int) -> None:
     indexes 12, or 13 above k = 20: codes read once per block of queries). Nothing for other indexes."""
     if getattr(index, "bbs", None) != 32 or not hasattr(index, "implem"):
         return
+    # a call racing another on the same shard may run with the other's kernel: slower, same codes ranked
     index.implem = 14 if not batched and k <= 20 else 0
 
 
