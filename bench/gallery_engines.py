@@ -11,7 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bench.gallery_measure import K, MemoryProbe, Row, Truth, measure, release_free_memory, status_kib
-from gallery.index import FaceIndex, IndexConfig
+from gallery.index import FaceIndex, IndexConfig, IndexKind
 from gallery.milvus import MilvusEngine
 from gallery.milvus_lite import MilvusLite
 from gallery.store import CollectionInfo
@@ -69,10 +69,12 @@ def bench_faiss(vectors: Vectors, kind: str, truth: Truth, threshold: float) -> 
               else IndexConfig(exact_max=0, candidates=(kind,), latency_check=False))
     index = _faiss(vectors, config, row, threshold)
     if kind == AUTO:
-        if index.kind.value == "flat":
+        if index.kind is IndexKind.FLAT:
             raise RuntimeError("the default selection kept the exact scan: no candidate met its targets")
         row.index = f"{AUTO}: {index.kind.value}"
-    measured = next(m for m in reversed(index.selection) if m.kind == index.kind.value or kind != AUTO)
+        measured = next(m for m in index.selection if m.kind == index.kind.value)
+    else:
+        (measured,) = index.selection
     row.effort, row.accurate = measured.effort, measured.accurate
     row.build_recall_bound = measured.recall_bound
     if measured.accurate:

@@ -14,7 +14,6 @@ import gc
 import re
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.batching import SearchBatcher
-from gallery.measures import decision_agreement, recall_at_k, recall_lower_bound
+from gallery.measures import concurrent_throughput, decision_agreement, recall_at_k, recall_lower_bound
 
 K = 10
 CONCURRENCY = (1, 8, 32)
@@ -115,17 +113,8 @@ def latency(search: Search, probes: NDArray[np.float32], row: Row) -> None:
 def throughput(search: Search, probes: NDArray[np.float32], row: Row, requests: int = 320) -> None:
     """Queries/s with 1, 8 and 32 concurrent one-query requests, each through the batcher."""
     for threads in CONCURRENCY:
-        batcher = SearchBatcher()
         count = max(requests, 10 * threads) if threads > 1 else requests // 2
-
-        def one(number: int, batcher: SearchBatcher = batcher) -> None:
-            batcher.search("bench", probes[number % len(probes)][None], K,
-                           lambda q, k: tuple(search(q, k)))
-
-        with ThreadPoolExecutor(threads) as pool:
-            began = time.perf_counter()
-            list(pool.map(one, range(count)))
-            row.qps[str(threads)] = count / (time.perf_counter() - began)
+        row.qps[str(threads)] = concurrent_throughput(search, probes, threads, count)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import faiss
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.batching import SearchBatcher
+from gallery.batching import Search, SearchBatcher
 
 Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
@@ -111,8 +111,7 @@ def latency_ms(search: Callable[[Vectors], Any], queries: Vectors) -> tuple[floa
     return float(p50), float(p99)
 
 
-def concurrent_throughput(search: Callable[[Vectors, int], tuple[Vectors, Ids]], queries: Vectors,
-                          concurrency: int, requests: int) -> float:
+def concurrent_throughput(search: Search, queries: Vectors, concurrency: int, requests: int) -> float:
     """Queries per second of ``requests`` one-query requests (top ``K``) sent by ``concurrency`` threads
     at once through the request batcher, as a gateway under load sends them (``gallery.batching``)."""
     batcher = SearchBatcher()
@@ -126,9 +125,8 @@ def concurrent_throughput(search: Callable[[Vectors, int], tuple[Vectors, Ids]],
         return requests / max(time.perf_counter() - began, 1e-9)
 
 
-def paired_concurrent_throughput(searches: Sequence[Callable[[Vectors, int], tuple[Vectors, Ids]]],
-                                 queries: Vectors, concurrency: int, requests: int, rounds: int = 3
-                                 ) -> list[float]:
+def paired_concurrent_throughput(searches: Sequence[Search], queries: Vectors, concurrency: int,
+                                 requests: int, rounds: int = 3) -> list[float]:
     """``concurrent_throughput`` of several searches measured in alternation (the order reversed every
     round, so a drifting machine slows them alike): the median of ``rounds`` runs of each, after one
     short warm-up run of each."""

@@ -320,8 +320,8 @@ def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float 
             remaining = config.rivals if remaining is None else remaining
         elif fastest is None or measured.p99_ms < fastest[0]:
             fastest = (measured.p99_ms, candidate)
-    best = (0.0, kept) if kept is not None else fastest
-    if best is None:
+    chosen = kept if kept is not None else (None if fastest is None else fastest[1])
+    if chosen is None:
         log.warning("staying exact: no candidate of %s met the targets and beat the exact scan (%.2f ms)",
                     ", ".join(config.candidates), exact_p50)
-    return (None if best is None else best[1]), measurements, exact_p50
+    return chosen, measurements, exact_p50
