@@ -66,8 +66,10 @@ def _latency_why(results: Results, row: LoadRow, ceiling: PhotoCeiling) -> str:
             parts.append(say(text.WHY_NETWORKS, stubs=compute, inprocess=inprocess))
     if row.target == REST:
         grpc = find(results.stack, GRPC, row.photo, 1)
-        if grpc:
+        if grpc and row.p50_ms >= grpc.p50_ms:
             parts.append(say(text.WHY_GATEWAY, extra=row.p50_ms - grpc.p50_ms))
+        elif grpc:  # a negative "adds" would be noise reported as a measurement
+            parts.append(say(text.WHY_GATEWAY_NOISE, rest=row.p50_ms, grpc=grpc.p50_ms))
     return "; ".join(parts) + "."
 
 

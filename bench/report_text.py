@@ -103,6 +103,9 @@ WHY_IN_PROCESS_LAYOUT = ("the served layout runs both networks inside face_pipel
                          "Triton's statistics cannot tell its own time from the networks'; the in-process "
                          "split below measures the same steps.")
 WHY_GATEWAY = "the gateway (HTTP, multipart, gallery search, JSON) adds {extra:.1f} ms over gRPC"
+WHY_GATEWAY_NOISE = ("REST identify's p50 ({rest:.1f} ms) is below gRPC face_pipeline's ({grpc:.1f} ms) "
+                     "in this run: the gateway's own time is within the runs' noise here (its CPU per "
+                     "request is in the gateway CPU target)")
 WHY_RUNTIME = ("single image {single:.1f} vs {ort_single:.1f} ms on ONNX Runtime: the two networks "
                "{models:.1f} vs {ort_models:.1f} ms, everything else {outside:.1f} vs {ort_outside:.1f} ms "
                "(decode, letterbox, NMS, alignment: the same work on either runtime, so it caps the ratio).")

@@ -183,3 +183,19 @@ def test_a_second_ceiling_pass_keeps_the_better_figures(monkeypatch: pytest.Monk
     assert [lay.images_per_s for lay in served.layouts] == [55.0, 30.0]
     assert served.layouts[0].cpu_ms_per_image == 30.0 and served.passes == 2
     assert fixed.passes == 1 and fixed.images_per_s == 35.0
+
+
+def test_latency_why_never_reports_a_negative_gateway_time() -> None:
+    """A run where REST's p50 came out below gRPC's (noise): the report says so instead of "adds -1.1 ms"."""
+    served = _ceiling("obama.jpg", "served", "openvino: detector f32, embedder f32", 25.0, 30.0)
+    name = "REST identify p50 latency at concurrency 1 <= 1.3x the ceiling's single-image time (1 face)"
+
+    def why(rest_p50: float, grpc_p50: float) -> str:
+        stack = [_row("REST identify", "obama.jpg", 1, 16.0, p50=rest_p50),
+                 _row("gRPC face_pipeline", "obama.jpg", 1, 16.0, p50=grpc_p50)]
+        return {t.name: t for t in report.targets(_results(ceiling=[served], stack=stack))}[name].why
+
+    assert "the gateway (HTTP, multipart, gallery search, JSON) adds 2.0 ms over gRPC" in why(63.0, 61.0)
+    noisy = why(61.0, 62.1)
+    assert "adds" not in noisy and "-1.1" not in noisy
+    assert "REST identify's p50 (61.0 ms) is below gRPC face_pipeline's (62.1 ms)" in noisy
