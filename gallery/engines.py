@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.index import FaceIndex, IndexConfig
+from gallery.index import FaceIndex, IndexConfig, IndexKind
 from gallery.store import CollectionInfo
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,12 @@ class CollectionIndex(Protocol):
     @property
     def stale(self) -> bool:
         """True when the engine wants this index rebuilt from the database (tombstones piled up)."""
+        ...
+
+    @property
+    def outgrown(self) -> bool:
+        """True when the collection grew past the size its index kind was chosen for: a new selection,
+        built in the background while this index serves, is due."""
         ...
 
     @property
@@ -142,6 +148,12 @@ class FaissIndex:
     @property
     def stale(self) -> bool:
         return self.index.needs_compaction
+
+    @property
+    def outgrown(self) -> bool:
+        """Exact because it was small (no selection was made), and now above ``exact_max``."""
+        index = self.index
+        return index.kind is IndexKind.FLAT and not index.selection and len(index) > index.config.exact_max
 
     @property
     def has_tombstones(self) -> bool:

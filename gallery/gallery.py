@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, nullcontext
@@ -41,6 +42,8 @@ ENGINE_LOCK = 0x6661636574
 INLINE_WORK = 1 << 20
 #: Identity labels remembered at most; past it the memory starts again empty.
 MAX_LABELS = 100_000
+#: After a background index selection failed, seconds before the collection's next one.
+RESELECT_RETRY_S = 600.0
 
 
 def _depth(k: int) -> int:
@@ -117,6 +120,10 @@ class Gallery:
         self._labels: dict[int, tuple[str, str]] = {}
         self._label_generation = 0
         self.loaded = False
+        #: collections whose index is being chosen again in the background (they outgrew exact search),
+        #: and when such a choice last failed (tried again only after ``RESELECT_RETRY_S``)
+        self._reselecting: dict[int, threading.Thread] = {}
+        self._reselect_failed: dict[int, float] = {}
 
     # --- loading, replay, snapshots -----------------------------------------------------------
 
@@ -221,7 +228,58 @@ class Gallery:
             for entry in list(self._collections.values()):
                 if entry.index.stale:
                     self._collections[entry.info.id] = self._build(entry.info)
+                elif entry.index.outgrown and self._may_reselect(entry.info.id):
+                    self._reselect_later(entry)
         return applied
+
+    def _may_reselect(self, collection_id: int) -> bool:
+        failed = self._reselect_failed.get(collection_id)
+        return collection_id not in self._reselecting and (
+            failed is None or time.monotonic() - failed >= RESELECT_RETRY_S)
+
+    def _reselect_later(self, entry: _Collection) -> None:
+        """Choose ``entry``'s index again in a background thread (called under the lock): a collection
+        that was exact because it was small, and grew past ``exact_max`` by enrollments or an import,
+        gets the index a build would give it now, instead of staying an exact scan (100 ms per query at
+        1M x 128 on 2 cores). Searches go on against the current index meanwhile."""
+        thread = threading.Thread(target=self._reselect, args=(entry,), name=f"reselect-{entry.info.id}",
+                                  daemon=True)
+        self._reselecting[entry.info.id] = thread
+        thread.start()
+
+    def _reselect(self, entry: _Collection) -> None:
+        info, began = entry.info, time.perf_counter()
+        try:
+            with self._lock:
+                since = self._applied  # the vectors read below include at least every change up to here
+            log.info("collection %s outgrew exact search (%d faces): choosing its index again in the "
+                     "background", info.name, len(entry.index))
+            ids, identities, vectors = self.store.collection_vectors(info.id, info.dimension)
+            built = self.engine.build(info, ids, identities, vectors)
+            with self._lock:
+                if self._collections.get(info.id) is not entry:
+                    return  # dropped, re-embedded or rebuilt meanwhile: this build is out of date
+                start = since
+                while start < self._applied and (changes := self.store.changes_since(start)):
+                    mine = [c for c in changes if c.seq <= self._applied and c.collection_id == info.id]
+                    self._apply_to(built, info, [c for c in mine if c.op is not ChangeOp.RELABEL])
+                    start = changes[-1].seq
+                self._collections[info.id] = _Collection(info, built)
+                self._erased.add(info.name)  # persisted within seconds: a restart loads the new kind
+            log.info("collection %s: new index in %.1f s (%d faces)", info.name, time.perf_counter() - began,
+                     len(built))
+        except Exception:  # the current index keeps serving; tried again after RESELECT_RETRY_S
+            log.exception("choosing the index of collection %s again failed", info.name)
+            with self._lock:
+                self._reselect_failed[info.id] = time.monotonic()
+        finally:
+            with self._lock:
+                self._reselecting.pop(info.id, None)
+
+    def join_reselections(self, timeout: float | None = None) -> None:
+        """Wait for the background index selections under way (tests, shutdown)."""
+        for thread in list(self._reselecting.values()):
+            thread.join(timeout)
 
     def _apply(self, changes: list[Change], engine_at: int) -> None:
         """Apply ``changes`` in order; those at or below ``engine_at`` are already in the engine."""
@@ -242,20 +300,23 @@ class Gallery:
             entry = self._collections.get(collection_id)
             if entry is None:
                 continue  # built lazily from the database when first used
-            added = [c.face_id for c in items if c.op is ChangeOp.ADD]
-            vectors = self.store.vectors(added, entry.info.dimension) if added else {}
-            # in seq order, a run of adds or of removes at a time: an add then a remove of the same
-            # face ends removed (a face whose row is gone, removed later in the log, is not added)
-            for op, run in groupby(items, key=lambda c: c.op):
-                if op is ChangeOp.ADD:
-                    adds = [c for c in run if c.face_id in vectors]
-                    if adds:
-                        entry.index.add(np.array([c.face_id for c in adds]),
-                                        np.array([c.identity_id for c in adds]),
-                                        np.stack([vectors[c.face_id] for c in adds]))
-                elif op is ChangeOp.REMOVE:
-                    entry.index.remove(np.array([c.face_id for c in run]))
-                    self._erased.add(entry.info.name)
+            self._apply_to(entry.index, entry.info, items)
+
+    def _apply_to(self, index: CollectionIndex, info: CollectionInfo, items: list[Change]) -> None:
+        """Apply one collection's adds and removes, in order, to ``index``."""
+        added = [c.face_id for c in items if c.op is ChangeOp.ADD]
+        vectors = self.store.vectors(added, info.dimension) if added else {}
+        # in seq order, a run of adds or of removes at a time: an add then a remove of the same
+        # face ends removed (a face whose row is gone, removed later in the log, is not added)
+        for op, run in groupby(items, key=lambda c: c.op):
+            if op is ChangeOp.ADD:
+                adds = [c for c in run if c.face_id in vectors]
+                if adds:
+                    index.add(np.array([c.face_id for c in adds]), np.array([c.identity_id for c in adds]),
+                              np.stack([vectors[c.face_id] for c in adds]))
+            elif op is ChangeOp.REMOVE:
+                index.remove(np.array([c.face_id for c in run]))
+                self._erased.add(info.name)
 
     def _forget_labels(self, changes: list[Change]) -> None:
         """Labels these changes may have made wrong: the identity's (faces removed, possibly with it, or a

@@ -1,8 +1,10 @@
 """One FAISS index per collection: inner product on L2-normalized vectors, FAISS ids = face ids.
 
-Exact (``IndexFlatIP``) up to ``exact_max`` vectors. Above it the index is chosen from measurements on
-the collection itself (``gallery.selection``): 4-bit PQ fast-scan or 8-bit scalar-quantized codes with
-an exact re-rank from the stored vectors (``gallery.refine``), or IVF, each kept only when its recall@10
+Exact (``IndexFlatIP``) up to ``exact_max`` vectors (an exact collection that grows past it is chosen
+again in the background by ``Gallery``: ``FaissIndex.outgrown``). Above it the index is chosen from
+measurements on the collection itself (``gallery.selection``): 4-bit PQ fast-scan or 8-bit
+scalar-quantized codes with an exact re-rank from the stored vectors (``gallery.refine``), or IVF, each
+kept only when its recall@10
 lower bound and its decision agreement with exact search reach the targets and it is fast enough;
 otherwise the collection stays exact. On a GPU (when FAISS reports one) flat and IVF indexes are copied
 to it; GPU indexes cannot ``remove_ids``, so removals become tombstones filtered at search time until

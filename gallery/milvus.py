@@ -65,6 +65,7 @@ class MilvusIndex:
     """One gallery collection in Milvus (a ``CollectionIndex``); holds nothing but its name."""
 
     stale = False
+    outgrown = False  # Milvus indexes its segments itself
     has_tombstones = False
 
     def __init__(self, client: Any, name: str, dimension: int, search_params: dict[str, Any],

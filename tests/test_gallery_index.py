@@ -15,6 +15,7 @@ import pytest
 from numpy.typing import NDArray
 from sqlalchemy import Engine
 
+import gallery.gallery as gallery_module
 import gallery.selection as selection
 from gallery.errors import InvalidEmbedding
 from gallery.gallery import Gallery, SearchResult
@@ -587,3 +588,73 @@ def test_bad_snapshot_falls_back_to_rebuild(store: GalleryStore, engine: Engine,
     assert second.loaded and second.applied_seq == store.last_seq()
     assert_gallery_matches_db(second, engine, "s", DIM)
     assert second.face_ids("s") == set(enrolled.identity_of)
+
+
+def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
+        store: GalleryStore, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact because it was small: once enrollments take it past ``exact_max``, a sync chooses its index
+    again in the background, the exact index answering meanwhile, and what changed during that build
+    (faces added, a face deleted) is replayed onto the new index before it takes over."""
+    rng = np.random.default_rng(31)
+    dimension = 32
+    store.create_collection("g", MODEL, dimension, 0.5)
+    enroll_clustered(store, rng, "g", 20, 12, dimension)  # 240 faces: exact
+    gallery = Gallery(store, tmp_path, approximate("pq4fs", 300))
+    gallery.load()
+    exact = gallery._entry("g").index
+    assert exact.index.kind is IndexKind.FLAT and not exact.outgrown
+    built, release = threading.Event(), threading.Event()
+    build = gallery.engine.build
+
+    def held_build(*args: object) -> object:
+        index = build(*args)  # type: ignore[arg-type]
+        built.set()
+        assert release.wait(60)
+        return index
+
+    monkeypatch.setattr(gallery.engine, "build", held_build)
+    enroll_clustered(store, rng, "g", 10, 12, dimension, start=100)  # 360 faces
+    gallery.sync()
+    assert exact.outgrown and built.wait(120)
+    # while the new index waits: the exact one keeps answering and following the log
+    enroll_clustered(store, rng, "g", 2, 12, dimension, start=200)
+    deleted = int(store.collection_vectors(store.get_collection("g").id, dimension)[0][0])
+    store.delete_face("g", deleted)
+    gallery.sync()
+    assert gallery._entry("g").index is exact and len(exact) == 360 + 24 - 1
+    release.set()
+    gallery.join_reselections(120)
+    chosen = gallery._entry("g").index
+    assert chosen is not exact and chosen.index.kind is IndexKind.PQ4FS and chosen.index.selection
+    assert deleted not in chosen.face_ids()
+    assert_gallery_matches_db(gallery, engine, "g", dimension)
+    gallery.sync()  # chosen by measurement now: not again
+    assert not chosen.outgrown and not gallery._reselecting
+    written = [p.name for p in gallery.snapshot_erasures()]
+    assert written == [f"collection-{store.get_collection('g').id}.faiss"]
+
+
+def test_a_failed_background_selection_is_retried_only_later(store: GalleryStore, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(32)
+    store.create_collection("f", MODEL, 32, 0.5)
+    enroll_clustered(store, rng, "f", 8, 12, 32)  # 96 faces: exact
+    gallery = Gallery(store, tmp_path, approximate("pq4fs", 100))
+    gallery.load()
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(gallery.engine, "build", failing)
+    enroll_clustered(store, rng, "f", 2, 12, 32, start=50)
+    gallery.sync()
+    gallery.join_reselections(30)
+    exact = gallery._entry("f").index
+    assert exact.outgrown and exact.index.kind is IndexKind.FLAT and len(exact) == 120  # still serving
+    assert list(gallery._reselect_failed) == [store.get_collection("f").id]
+    gallery.sync()
+    assert not gallery._reselecting  # not tried again at once
+    monkeypatch.setattr(gallery_module, "RESELECT_RETRY_S", 0.0)
+    gallery.sync()
+    assert gallery._reselecting  # and again once the pause is over
+    gallery.join_reselections(30)
