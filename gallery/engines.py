@@ -151,9 +151,11 @@ class FaissIndex:
 
     @property
     def outgrown(self) -> bool:
-        """Exact because it was small (no selection was made), and now above ``exact_max``."""
-        index = self.index
-        return index.kind is IndexKind.FLAT and not index.selection and len(index) > index.config.exact_max
+        """Exact because it was small (no selection was made), and now above ``exact_max``, or above
+        ``exact_always`` and twice the size its exact scan was last timed within target at."""
+        index, config = self.index, self.index.config
+        limit = min(config.exact_max, max(config.exact_always, 2 * index.exact_checked))
+        return index.kind is IndexKind.FLAT and not index.selection and len(index) > limit
 
     @property
     def has_tombstones(self) -> bool:

@@ -38,6 +38,7 @@ from gallery.selection import (
     recall_at_k,
     recall_lower_bound,
     select,
+    worth_selecting,
 )
 from gallery.threads import threads_for
 
@@ -82,6 +83,8 @@ class FaceIndex:
         self.recall: float | None = None
         #: What the build measured (every candidate tried), empty for an exact index never compared.
         self.selection: list[Measurement] = []
+        #: Faces when the exact scan was last timed within target (0: never timed).
+        self.exact_checked = 0
         self._ids: set[int] = set()
         self._tombstones: set[int] = set()
         self.on_gpu = self.config.use_gpu and gpu_available()
@@ -162,10 +165,14 @@ class FaceIndex:
               force_tombstones: bool = False, identities: Ids | None = None,
               threshold: float | None = None) -> FaceIndex:
         """A fresh index over these vectors: exact, or the candidate chosen by measurement above
-        ``exact_max`` (``identities`` and the collection's ``threshold`` make the decision agreement
-        count identities; without them each face is its own identity)."""
+        ``exact_max`` (or above ``exact_always`` when the exact scan misses the p99 target;
+        ``identities`` and the collection's ``threshold`` make the decision agreement count identities;
+        without them each face is its own identity)."""
         index = cls(dimension, config, force_tombstones)
-        if len(ids) > index.config.exact_max:
+        measure, exact_p99 = worth_selecting(vectors, index.config) if len(ids) else (False, None)
+        if exact_p99 is not None and not measure:
+            index.exact_checked = len(ids)  # timed within target at this size
+        if measure:
             ids = np.asarray(ids, np.int64)
             chosen, index.selection, _ = select(ids, vectors, identities, threshold, index.config)
             if chosen is not None:
@@ -201,7 +208,7 @@ class FaceIndex:
         _fsync(staged)
         meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
                 "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": sha256_of(staged),
-                "selection": [m.as_dict() for m in self.selection],
+                "selection": [m.as_dict() for m in self.selection], "exact_checked": self.exact_checked,
                 **(extra or {})}
         meta_path = path.with_suffix(".json")
         staged_meta = meta_path.with_name(f"{meta_path.name}.{token}.partial")
@@ -228,6 +235,7 @@ class FaceIndex:
         index = cls(int(meta["dimension"]), config, force_tombstones)
         index.kind, index.nprobe = kind, int(meta["nprobe"])
         index.selection = [Measurement(**m) for m in meta.get("selection", [])]
+        index.exact_checked = int(meta.get("exact_checked", 0))
         if kind is IndexKind.IVF and not isinstance(cpu, RefinedIndex):
             faiss.extract_index_ivf(cpu).nprobe = index.nprobe
         stored = _stored_ids(cpu, kind)

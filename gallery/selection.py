@@ -1,8 +1,9 @@
 """Choosing a collection's index from measurements on its own vectors.
 
-Above ``exact_max`` faces each candidate of ``IndexConfig.candidates`` is built in turn and its search
-effort (re-rank depth for the refined indexes, nprobe for IVF) raised step by step until, on probes made
-from the collection itself, it reaches
+Above ``exact_max`` faces (and above ``exact_always`` when the exact scan, timed on the collection,
+misses ``target_p99_ms``: ``worth_selecting``) each candidate of ``IndexConfig.candidates`` is built in
+turn and its search effort (re-rank depth for the refined indexes, nprobe for IVF) raised step by step
+until, on probes made from the collection itself, it reaches
 
 - **recall@10** against exact search whose lower bound (less two standard errors) is at least
   ``target_recall``, and
@@ -64,7 +65,12 @@ Vectors = NDArray[np.float32]
 
 @dataclass(frozen=True)
 class IndexConfig:
+    #: Above this many faces the candidates are always measured.
     exact_max: int = 200_000
+    #: Up to this many the exact scan is kept without a look; between the two it is kept only when its
+    #: single-query p99 is within ``target_p99_ms`` (timed at build: an exact scan of 100k x 128 took
+    #: 9.6 ms on a 2-core AVX2 EPYC, 200k x 512 about 22 ms on an AVX-512 one).
+    exact_always: int = 20_000
     #: Tried in this order above ``exact_max`` (see the module's docstring for which is kept).
     candidates: tuple[str, ...] = ("pq4fs", "pq4fs-fine", "sq8", "ivf")
     #: Candidates tried after the first within ``target_p99_ms``, to compare their throughput under load.
@@ -107,6 +113,8 @@ class IndexConfig:
 
 #: Single-query latency passes per candidate (the better p50 and p99 are kept).
 LATENCY_PASSES = 2
+#: Queries that time the exact scan of a collection between ``exact_always`` and ``exact_max`` faces.
+EXACT_QUERIES = 40
 
 
 # --- candidates --------------------------------------------------------------------------------
@@ -284,6 +292,29 @@ def replaces(kept: Candidate, rival: Candidate, probes: Probes, config: IndexCon
     log.info("%s against %s, %d requests at once: %.0f against %.0f queries/s (kept when at least %.2fx)",
              rival.kind, kept.kind, config.throughput_concurrency, rival_qps, kept_qps, config.rival_margin)
     return rival_qps >= config.rival_margin * kept_qps
+
+
+def exact_p99_ms(vectors: Vectors) -> float:
+    """The exact scan's single-query p99 over these vectors (the better of ``LATENCY_PASSES`` passes of
+    ``EXACT_QUERIES`` queries: the collection's own vectors, as the scan's time does not depend on them)."""
+    rng = np.random.default_rng(0)
+    queries = np.ascontiguousarray(vectors[rng.choice(len(vectors), size=min(len(vectors), EXACT_QUERIES),
+                                                      replace=False)])
+    rows = np.arange(len(vectors), dtype=np.int64)
+    return min(latency_ms(lambda q: exact_search(q, vectors, rows, K), queries)[1]
+               for _ in range(LATENCY_PASSES))
+
+
+def worth_selecting(vectors: Vectors, config: IndexConfig) -> tuple[bool, float | None]:
+    """(whether to measure the candidates, the exact scan's p99 when it was timed for that)."""
+    if len(vectors) > config.exact_max:
+        return True, None
+    if len(vectors) <= config.exact_always:
+        return False, None
+    p99 = exact_p99_ms(vectors)
+    log.info("exact scan of %d vectors: p99 %.2f ms (target %.1f ms)", len(vectors), p99,
+             config.target_p99_ms)
+    return p99 > config.target_p99_ms, p99
 
 
 def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float | None, config: IndexConfig

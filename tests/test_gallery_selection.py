@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from numpy.typing import NDArray
 
 import gallery.measures as measures
 import gallery.selection as selection
+from gallery.engines import FaissIndex
 from gallery.index import FaceIndex, IndexConfig, IndexKind
 from gallery.refine import RefinedIndex, pq4_fast_scan, pq4_fast_scan_fine
 from tests.gallery_helpers import unit_vectors
@@ -352,3 +354,43 @@ def test_unknown_candidate_is_a_clear_error() -> None:
     vectors = face_like(200, 10, 16)
     with pytest.raises(ValueError, match="unknown index candidate 'hnsw'"):
         FaceIndex.build(16, np.arange(len(vectors)), vectors, IndexConfig(exact_max=10, candidates=("hnsw",)))
+
+
+def test_between_exact_always_and_exact_max_the_exact_scan_is_timed(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """A collection of a size that used to stay exact unmeasured is compared with the candidates when its
+    exact scan misses the p99 target here (100k x 128 took 9.6 ms on a 2-core AVX2 EPYC); timed within it,
+    it stays exact and is looked at again at twice that size, or above ``exact_max``."""
+    vectors = face_like(30, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    config = IndexConfig(exact_always=100, exact_max=10_000, candidates=("pq4fs",), latency_check=False)
+    timed: list[int] = []
+
+    def exact_p99(matrix: NDArray[np.float32], p99: float) -> float:
+        timed.append(len(matrix))
+        return p99
+
+    monkeypatch.setattr(selection, "exact_p99_ms", lambda matrix: exact_p99(matrix, 12.0))
+    slow = FaceIndex.build(32, ids, vectors, config)
+    assert timed == [300] and slow.kind is IndexKind.PQ4FS and slow.selection
+    monkeypatch.setattr(selection, "exact_p99_ms", lambda matrix: exact_p99(matrix, 2.0))
+    fast = FaceIndex.build(32, ids, vectors, config)
+    assert timed == [300, 300] and fast.kind is IndexKind.FLAT and fast.exact_checked == 300
+    wrapped = FaissIndex(fast, dict.fromkeys(ids.tolist(), 0))
+    assert not wrapped.outgrown
+    more = face_like(301, 1, 32, seed=5)
+    wrapped.add(np.arange(1000, 1301, dtype=np.int64), np.zeros(301, np.int64), more)
+    assert len(wrapped) == 601 and wrapped.outgrown  # twice the size it was timed at
+    small = FaceIndex.build(32, ids[:100], vectors[:100], config)
+    assert timed == [300, 300] and small.kind is IndexKind.FLAT and small.exact_checked == 0  # not timed
+    assert FaissIndex(small, {}).outgrown is False
+    # the size its exact scan was timed at survives a snapshot
+    fast.save(tmp_path / "c.faiss", 1)
+    assert FaceIndex.load(tmp_path / "c.faiss", config)[0].exact_checked == 601 - 301
+
+
+def test_the_exact_scan_is_timed_with_real_faiss() -> None:
+    vectors = face_like(100, 10, 32)
+    assert 0 < selection.exact_p99_ms(vectors) < 1000
+    assert selection.worth_selecting(vectors, IndexConfig(exact_always=100, target_p99_ms=1e-9))[0]
+    assert not selection.worth_selecting(vectors, IndexConfig(exact_always=100, target_p99_ms=1e9))[0]
