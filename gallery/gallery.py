@@ -239,9 +239,10 @@ class Gallery:
 
     def _reselect_later(self, entry: _Collection) -> None:
         """Choose ``entry``'s index again in a background thread (called under the lock): a collection
-        that was exact because it was small, and grew past ``exact_max`` by enrollments or an import,
-        gets the index a build would give it now, instead of staying an exact scan (100 ms per query at
-        1M x 128 on 2 cores). Searches go on against the current index meanwhile."""
+        that was exact because it was small, and grew (by enrollments or an import) past ``exact_max`` or
+        to twice the size its exact scan was timed at (``FaissIndex.outgrown``), gets the index a build
+        would give it now, instead of staying an exact scan (100 ms per query at 1M x 128 on 2 cores).
+        Searches go on against the current index meanwhile."""
         thread = threading.Thread(target=self._reselect, args=(entry,), name=f"reselect-{entry.info.id}",
                                   daemon=True)
         self._reselecting[entry.info.id] = thread

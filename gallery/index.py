@@ -1,14 +1,14 @@
 """One FAISS index per collection: inner product on L2-normalized vectors, FAISS ids = face ids.
 
-Exact (``IndexFlatIP``) up to ``exact_max`` vectors (an exact collection that grows past it is chosen
-again in the background by ``Gallery``: ``FaissIndex.outgrown``). Above it the index is chosen from
+Exact (``IndexFlatIP``) up to ``exact_always`` vectors, and up to ``exact_max`` while the exact scan,
+timed at build, is within the p99 target (an exact collection that grows past either bound is chosen
+again in the background by ``Gallery``: ``FaissIndex.outgrown``). Otherwise the index is chosen from
 measurements on the collection itself (``gallery.selection``): 4-bit PQ fast-scan or 8-bit
 scalar-quantized codes with an exact re-rank from the stored vectors (``gallery.refine``), or IVF, each
-kept only when its recall@10
-lower bound and its decision agreement with exact search reach the targets and it is fast enough;
-otherwise the collection stays exact. On a GPU (when FAISS reports one) flat and IVF indexes are copied
-to it; GPU indexes cannot ``remove_ids``, so removals become tombstones filtered at search time until
-the gallery rebuilds the index from the database.
+kept only when its recall@10 lower bound and its decision agreement with exact search reach the targets
+and it is fast enough; otherwise the collection stays exact. On a GPU (when FAISS reports one) flat and
+IVF indexes are copied to it; GPU indexes cannot ``remove_ids``, so removals become tombstones filtered
+at search time until the gallery rebuilds the index from the database.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class FaceIndex:
         ``identities`` and the collection's ``threshold`` make the decision agreement count identities;
         without them each face is its own identity)."""
         index = cls(dimension, config, force_tombstones)
-        measure, exact_p99 = worth_selecting(vectors, index.config) if len(ids) else (False, None)
+        measure, exact_p99 = worth_selecting(vectors, index.config)
         if exact_p99 is not None and not measure:
             index.exact_checked = len(ids)  # timed within target at this size
         if measure:

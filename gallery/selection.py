@@ -309,7 +309,7 @@ def worth_selecting(vectors: Vectors, config: IndexConfig) -> tuple[bool, float 
     """(whether to measure the candidates, the exact scan's p99 when it was timed for that)."""
     if len(vectors) > config.exact_max:
         return True, None
-    if len(vectors) <= config.exact_always:
+    if len(vectors) <= config.exact_always or not len(vectors):
         return False, None
     p99 = exact_p99_ms(vectors)
     log.info("exact scan of %d vectors: p99 %.2f ms (target %.1f ms)", len(vectors), p99,
