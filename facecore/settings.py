@@ -58,11 +58,21 @@ class GallerySettings(BaseModel):
                            "(PQ fast-scan or SQ8 + exact re-rank, IVF); one is kept if it meets the targets "
                            "(at build, and in the background when an exact collection grows past it); "
                            "from 20,000 faces up to it, when the exact scan's timed p99 misses 5 ms")
+    reselect_growth: float = Field(2.0, ge=0, description="an index chosen by measurement is measured again, "
+                                   "in the background, once its collection holds this many times the faces "
+                                   "it was chosen at (0: never; otherwise more than 1)")
     batch_window_ms: float = Field(0.0, ge=0, le=100, description="how long a search waits for concurrent "
                                    "ones to share its engine call (0: only those already queued)")
     snapshot_interval_s: float = Field(300.0, gt=0, description="how often indexes are snapshotted")
     erasure_snapshot_delay_s: float = Field(5.0, gt=0, description="after deletions, snapshots are rewritten "
                                             "within this delay so erased vectors leave the disk")
+
+    @field_validator("reselect_growth")
+    @classmethod
+    def growth_or_never(cls, value: float) -> float:
+        if 0 < value <= 1:
+            raise ValueError("reselect_growth must be 0 (never measure again) or more than 1")
+        return value
 
 
 class SecuritySettings(BaseModel):

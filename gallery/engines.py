@@ -151,11 +151,15 @@ class FaissIndex:
 
     @property
     def outgrown(self) -> bool:
-        """Exact because it was small (no selection was made), and now above ``exact_max``, or above
-        ``exact_always`` and twice the size its exact scan was last timed within target at."""
+        """Measured (``selection``) and now ``reselect_growth`` times the size it was measured at; or exact
+        because it was small (never measured), and now above ``exact_max``, or above ``exact_always`` and
+        twice the size its exact scan was last timed within target at."""
         index, config = self.index, self.index.config
+        if index.selection:
+            growth = config.reselect_growth
+            return growth > 1 and index.selected_at > 0 and len(index) > growth * index.selected_at
         limit = min(config.exact_max, max(config.exact_always, 2 * index.exact_checked))
-        return index.kind is IndexKind.FLAT and not index.selection and len(index) > limit
+        return index.kind is IndexKind.FLAT and len(index) > limit
 
     @property
     def has_tombstones(self) -> bool:

@@ -87,7 +87,8 @@ class _Collection:
 def open_gallery(store: GalleryStore, settings: Settings, snapshot_dir: Path | None = None) -> Gallery:
     """The gallery the settings describe: its engine (FAISS or Milvus) and its request batching
     (``snapshot_dir`` overrides the settings' one)."""
-    config = IndexConfig(exact_max=settings.gallery.exact_max)
+    config = IndexConfig(exact_max=settings.gallery.exact_max,
+                         reselect_growth=settings.gallery.reselect_growth)
     folder = snapshot_dir or settings.gallery.snapshot_dir
     engine = make_engine(settings.gallery, folder, config)
     return Gallery(store, folder, config, engine=engine,
@@ -238,11 +239,12 @@ class Gallery:
             failed is None or time.monotonic() - failed >= RESELECT_RETRY_S)
 
     def _reselect_later(self, entry: _Collection) -> None:
-        """Choose ``entry``'s index again in a background thread (called under the lock): a collection
-        that was exact because it was small, and grew (by enrollments or an import) past ``exact_max`` or
-        to twice the size its exact scan was timed at (``FaissIndex.outgrown``), gets the index a build
-        would give it now, instead of staying an exact scan (100 ms per query at 1M x 128 on 2 cores).
-        Searches go on against the current index meanwhile."""
+        """Choose ``entry``'s index again in a background thread (called under the lock) when its
+        collection grew (by enrollments or an import) past the size its index was chosen for
+        (``FaissIndex.outgrown``): an exact collection past ``exact_max``, or to twice the size its exact
+        scan was timed at, instead of staying an exact scan (100 ms per query at 1M x 128 on 2 cores); a
+        measured one to ``reselect_growth`` times the size it was measured at, whose re-rank depth or
+        nprobe may no longer reach the targets. Searches go on against the current index meanwhile."""
         thread = threading.Thread(target=self._reselect, args=(entry,), name=f"reselect-{entry.info.id}",
                                   daemon=True)
         self._reselecting[entry.info.id] = thread
@@ -253,8 +255,8 @@ class Gallery:
         try:
             with self._lock:
                 since = self._applied  # the vectors read below include at least every change up to here
-            log.info("collection %s outgrew exact search (%d faces): choosing its index again in the "
-                     "background", info.name, len(entry.index))
+            log.info("collection %s grew past the size its index was chosen for (%d faces): choosing it "
+                     "again in the background", info.name, len(entry.index))
             ids, identities, vectors = self.store.collection_vectors(info.id, info.dimension)
             built = self.engine.build(info, ids, identities, vectors)
             with self._lock:

@@ -2,7 +2,8 @@
 
 Exact (``IndexFlatIP``) up to ``exact_always`` vectors, and up to ``exact_max`` while the exact scan,
 timed at build, is within the p99 target (an exact collection that grows past either bound is chosen
-again in the background by ``Gallery``: ``FaissIndex.outgrown``). Otherwise the index is chosen from
+again in the background by ``Gallery``: ``FaissIndex.outgrown``; so is one whose index was measured, at
+``reselect_growth`` times the size it was measured at). Otherwise the index is chosen from
 measurements on the collection itself (``gallery.selection``): 4-bit PQ fast-scan or 8-bit
 scalar-quantized codes with an exact re-rank from the stored vectors (``gallery.refine``), or IVF, each
 kept only when its recall@10 lower bound and its decision agreement with exact search reach the targets
@@ -85,6 +86,8 @@ class FaceIndex:
         self.selection: list[Measurement] = []
         #: Faces when the exact scan was last timed within target (0: never timed).
         self.exact_checked = 0
+        #: Faces when the candidates were last measured (0: never; ``selection`` is then empty).
+        self.selected_at = 0
         self._ids: set[int] = set()
         self._tombstones: set[int] = set()
         self.on_gpu = self.config.use_gpu and gpu_available()
@@ -175,6 +178,7 @@ class FaceIndex:
         if measure:
             ids = np.asarray(ids, np.int64)
             chosen, index.selection, _ = select(ids, vectors, identities, threshold, index.config)
+            index.selected_at = len(ids)
             if chosen is not None:
                 index._adopt(chosen.index, IndexKind(chosen.kind), ids)
             index.recall = next((m.recall for m in index.selection if m.kind == index.kind.value),
@@ -209,6 +213,7 @@ class FaceIndex:
         meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
                 "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": sha256_of(staged),
                 "selection": [m.as_dict() for m in self.selection], "exact_checked": self.exact_checked,
+                "selected_at": self.selected_at,
                 **(extra or {})}
         meta_path = path.with_suffix(".json")
         staged_meta = meta_path.with_name(f"{meta_path.name}.{token}.partial")
@@ -236,6 +241,8 @@ class FaceIndex:
         index.kind, index.nprobe = kind, int(meta["nprobe"])
         index.selection = [Measurement(**m) for m in meta.get("selection", [])]
         index.exact_checked = int(meta.get("exact_checked", 0))
+        # a snapshot written before the size was recorded: measured again at twice its size now
+        index.selected_at = int(meta.get("selected_at") or (meta["ids"] if index.selection else 0))
         if kind is IndexKind.IVF and not isinstance(cpu, RefinedIndex):
             faiss.extract_index_ivf(cpu).nprobe = index.nprobe
         stored = _stored_ids(cpu, kind)

@@ -109,6 +109,12 @@ class IndexConfig:
     #: target every one is built in turn (on a 2-core AVX2-only EPYC at 1M x 128 that took 342 s, IVF
     #: alone 196 s), and a build should stay within about 3 minutes.
     selection_budget_s: float = 120.0
+    #: An index chosen by measurement is measured again (in the background) once its collection holds
+    #: this many times the faces it was chosen at (0: never; else more than 1): the re-rank depth or
+    #: nprobe that met the targets at one size need not at several times it (pq4fs chosen at 100k x 128
+    #: with a 256-deep re-rank, grown to 1M by adds: impostor agreement 99.4 %, under the 99.9 % target;
+    #: bench/gallery_growth.py).
+    reselect_growth: float = 2.0
 
 
 #: Single-query latency passes per candidate (the better p50 and p99 are kept).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -12,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 from numpy.typing import NDArray
+from pydantic import ValidationError
 
 import gallery.measures as measures
 import gallery.selection as selection
+from facecore.settings import GallerySettings
 from gallery.engines import FaissIndex
 from gallery.index import FaceIndex, IndexConfig, IndexKind
 from gallery.refine import RefinedIndex, pq4_fast_scan, pq4_fast_scan_fine
@@ -387,6 +390,36 @@ def test_between_exact_always_and_exact_max_the_exact_scan_is_timed(monkeypatch:
     # the size its exact scan was timed at survives a snapshot
     fast.save(tmp_path / "c.faiss", 1)
     assert FaceIndex.load(tmp_path / "c.faiss", config)[0].exact_checked == 300
+
+
+def test_a_measured_index_outgrows_reselect_growth_times_its_size(tmp_path: Path) -> None:
+    """Measured at 300 faces: outgrown above 600 (``reselect_growth`` 2), never with 0; a snapshot written
+    before the size was recorded counts from its own size; a growth in (0, 1] is refused by the settings
+    (it would measure the collection again at every sync)."""
+    vectors = face_like(30, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    config = IndexConfig(exact_max=100, candidates=("pq4fs",), latency_check=False)
+    measured = FaceIndex.build(32, ids, vectors, config)
+    assert measured.kind is IndexKind.PQ4FS and measured.selected_at == 300
+    wrapped = FaissIndex(measured, dict.fromkeys(ids.tolist(), 0))
+    more = face_like(31, 10, 32, seed=5)
+    wrapped.add(np.arange(1000, 1300, dtype=np.int64), np.zeros(300, np.int64), more[:300])
+    assert len(wrapped) == 600 and not wrapped.outgrown
+    wrapped.add(np.array([1300]), np.zeros(1, np.int64), more[300:301])
+    assert wrapped.outgrown
+    measured.config = IndexConfig(exact_max=100, reselect_growth=0)
+    assert not wrapped.outgrown
+    measured.save(tmp_path / "c.faiss", 1)
+    meta_path = tmp_path / "c.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["selected_at"] == 300
+    del meta["selected_at"]
+    meta_path.write_text(json.dumps(meta))
+    assert FaceIndex.load(tmp_path / "c.faiss", config)[0].selected_at == 601
+    for growth in (0.5, 1.0):
+        with pytest.raises(ValidationError, match="reselect_growth"):
+            GallerySettings(reselect_growth=growth)
+    assert GallerySettings(reselect_growth=0).reselect_growth == 0
 
 
 def test_the_exact_scan_is_timed_with_real_faiss() -> None:
