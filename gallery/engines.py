@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.index import FaceIndex, IndexConfig, IndexKind
+from gallery.index import FaceIndex, IndexConfig, IndexKind, Measurement
 from gallery.store import CollectionInfo
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,17 @@ Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
 #: () -> (face ids, identity ids) of a collection, read from the database
 Faces = Callable[[], tuple[Ids, Ids]]
+
+
+@dataclass(frozen=True)
+class IndexInfo:
+    """What a collection's index is, and what its build measured (``GET /v1/collections/{name}``)."""
+
+    engine: str  # "faiss" or "milvus"
+    kind: str  # IndexKind's value (FAISS), the index type (Milvus)
+    effort: int | None = None  # re-rank depth or nprobe of an approximate FAISS index
+    chosen_at: int | None = None  # faces when the candidates were measured (None: never)
+    measured: Measurement | None = None  # the kept candidate's measurement (None: exact, or Milvus)
 
 
 class CollectionIndex(Protocol):
@@ -66,6 +78,10 @@ class CollectionIndex(Protocol):
     @property
     def has_tombstones(self) -> bool:
         """True while removed vectors are only hidden (a persisted copy would still hold them)."""
+        ...
+
+    def describe(self) -> IndexInfo:
+        """The index kind, its search effort and what its build measured."""
         ...
 
 
@@ -164,6 +180,13 @@ class FaissIndex:
     @property
     def has_tombstones(self) -> bool:
         return self.index.has_tombstones
+
+    def describe(self) -> IndexInfo:
+        index = self.index
+        if index.kind is IndexKind.FLAT:
+            return IndexInfo("faiss", index.kind.value, chosen_at=index.selected_at or None)
+        kept = next((m for m in reversed(index.selection) if m.kind == index.kind.value and m.accurate), None)
+        return IndexInfo("faiss", index.kind.value, index.nprobe, index.selected_at or None, kept)
 
 
 class FaissEngine:

@@ -28,7 +28,7 @@ from facecore.periodic import Periodic
 from facecore.settings import Settings
 from gallery.batching import SearchBatcher
 from gallery.embeddings import validate_embeddings
-from gallery.engines import CollectionIndex, Engine, FaissEngine, make_engine
+from gallery.engines import CollectionIndex, Engine, FaissEngine, IndexInfo, make_engine
 from gallery.index import IndexConfig
 from gallery.models import ChangeOp
 from gallery.store import Change, CollectionInfo, GalleryStore, check_model
@@ -383,6 +383,13 @@ class Gallery:
 
     def size(self, collection: str) -> int:
         return len(self._entry(collection).index)
+
+    def describe(self, collection: str) -> tuple[IndexInfo, bool]:
+        """The collection's index (``CollectionIndex.describe``), and whether a new one is being chosen for
+        it in the background (``FaissIndex.outgrown``)."""
+        entry = self._entry(collection)
+        with self._lock:
+            return entry.index.describe(), entry.info.id in self._reselecting
 
     def face_ids(self, collection: str) -> set[int]:
         return self._entry(collection).index.face_ids()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.engines import Faces
+from gallery.engines import Faces, IndexInfo
 from gallery.store import CollectionInfo
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,14 @@ class MilvusIndex:
     has_tombstones = False
 
     def __init__(self, client: Any, name: str, dimension: int, search_params: dict[str, Any],
-                 barrier: Callable[[], None] = lambda: None) -> None:
+                 barrier: Callable[[], None] = lambda: None, index_type: str = "FLAT") -> None:
         self.client, self.name, self.dimension = client, name, dimension
+        self.index_type = index_type
         self.search_params = search_params
         self.barrier = barrier
+
+    def describe(self) -> IndexInfo:
+        return IndexInfo("milvus", self.index_type)
 
     def __len__(self) -> int:
         rows = self.client.query(self.name, filter="", output_fields=["count(*)"], consistency_level=STRONG)
@@ -269,7 +273,8 @@ class MilvusEngine:
     # --- collections ---------------------------------------------------------------------------
 
     def _index(self, name: str, info: CollectionInfo) -> MilvusIndex:
-        return MilvusIndex(self.client, name, info.dimension, self.search_params, self.barrier)
+        return MilvusIndex(self.client, name, info.dimension, self.search_params, self.barrier,
+                           self.index_type)
 
     def barrier(self) -> None:
         """Write a state row and wait until it reads back: every insert sent before, by any client, then

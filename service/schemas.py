@@ -96,6 +96,33 @@ class CollectionOut(BaseModel):
     created_at: datetime
 
 
+class IndexMeasurement(BaseModel):
+    """What the index's build measured on the collection itself, against exact search."""
+
+    recall_at_10: float
+    recall_lower_bound: float = Field(description="recall@10 less two standard errors")
+    genuine_agreement: float = Field(description="share of genuine probes given the same decision (the "
+                                     "same identity above the threshold, or unknown) as exact search")
+    impostor_agreement: float = Field(description="the same on impostor probes (faces of people not "
+                                      "enrolled)")
+    p50_ms: float | None = Field(description="single-query latency when measured")
+    p99_ms: float | None
+
+
+class IndexOut(BaseModel):
+    engine: Literal["faiss", "milvus"]
+    kind: str = Field(description="FAISS: flat (exact), pq4fs, pq4fs-fine or sq8 (codes re-ranked exactly), "
+                      "ivf; Milvus: its index type (FLAT: exact)")
+    search_effort: int | None = Field(description="re-rank depth, or lists scanned (ivf); null when exact")
+    chosen_at_faces: int | None = Field(description="faces when the candidates were measured; it is measured "
+                                        "again once the collection holds FACEREC_GALLERY__RESELECT_GROWTH "
+                                        "times as many (null: never measured, exact because small)")
+    measured: IndexMeasurement | None = Field(description="the kept index's measurement (null when exact)")
+    reselecting: bool = Field(description="a new index is being chosen in the background; this one serves "
+                              "meanwhile")
+    faces: int
+
+
 class KeyCreate(BaseModel):
     label: str = Field("", max_length=128, examples=["kiosk-3"])
 

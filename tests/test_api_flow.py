@@ -413,6 +413,11 @@ def test_collections_lifecycle(engine_api: Api) -> None:
     api.create_identity("first", "someone", "Some One")
     api.ok(api.enroll("first", "obama", "obama.jpg", params={"create": "true"}), 201)
     assert api.ok(api.get("/v1/collections/first", key))["faces"] == 1
+    index = api.ok(api.get("/v1/collections/first/index", key))
+    assert index["kind"] == ("flat" if index["engine"] == "faiss" else "FLAT") and index["faces"] == 1
+    assert (index["search_effort"], index["chosen_at_faces"], index["measured"]) == (None, None, None)
+    assert index["reselecting"] is False
+    api.error(api.get("/v1/collections/nowhere/index"), 404, "not_found")
 
     assert api.delete("/v1/collections/first").status_code == 204
     api.error(api.get("/v1/collections/first"), 404, "not_found")

@@ -254,6 +254,7 @@ def test_no_route_leaks_another_collection(two_collections: Api) -> None:
     pair = {"files": api.files("image_a", "biden.jpg") + api.files("image_b", "obama3.jpg")}
     calls: dict[tuple[str, str], list[tuple[str, dict[str, Any], int]]] = {
         ("GET", "/v1/collections/{collection}"): [("/v1/collections/alpha", {}, 200)],
+        ("GET", "/v1/collections/{collection}/index"): [("/v1/collections/alpha/index", {}, 200)],
         ("GET", "/v1/collections/{collection}/identities"): [
             ("/v1/collections/alpha/identities", {}, 200),
             ("/v1/collections/alpha/identities", {"params": {"name": "bravo"}}, 200),

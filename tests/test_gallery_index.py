@@ -623,8 +623,13 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
     store.delete_face("g", deleted)
     gallery.sync()
     assert gallery._entry("g").index is exact and len(exact) == 360 + 24 - 1
+    described, reselecting = gallery.describe("g")
+    assert (described.kind, described.effort, described.chosen_at, described.measured) == ("flat", None,
+                                                                                           None, None)
+    assert reselecting
     release.set()
     gallery.join_reselections(120)
+    assert gallery.describe("g")[1] is False
     chosen = gallery._entry("g").index
     assert chosen is not exact and chosen.index.kind is IndexKind.PQ4FS and chosen.index.selection
     assert deleted not in chosen.face_ids()
@@ -649,6 +654,11 @@ def test_a_measured_index_is_measured_again_at_twice_the_size_it_was_chosen_at(
     gallery.load()
     first = gallery._entry("m").index
     assert first.index.kind is IndexKind.PQ4FS and first.index.selected_at == 240
+    described = first.describe()
+    assert (described.engine, described.kind, described.effort, described.chosen_at) == (
+        "faiss", "pq4fs", first.index.nprobe, 240)
+    assert described.measured is not None and described.measured.accurate
+    assert described.measured.recall_bound >= 0.99 and described.measured.effort == first.index.nprobe
     enroll_clustered(store, rng, "m", 20, 12, dimension, start=100)  # 480: twice, not more
     gallery.sync()
     assert not first.outgrown and not gallery._reselecting and len(first) == 480

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import Engine
 
 from facecore.settings import Settings, load_settings
+from gallery.engines import IndexInfo
 from gallery.gallery import Gallery, open_gallery
 from gallery.milvus import MilvusEngine, MilvusIndex
 from gallery.milvus_lite import MilvusLite
@@ -82,6 +83,7 @@ def test_gateways_hold_no_vectors(store: GalleryStore, engines: Any) -> None:
     gallery.load()
     index = gallery._entry("c").index
     assert isinstance(index, MilvusIndex) and len(index) == 40
+    assert gallery.describe("c") == (IndexInfo("milvus", "FLAT"), False)  # Milvus indexes on its own
     held = [value for value in vars(index).values() if isinstance(value, np.ndarray | list | dict | set)]
     assert all(len(v) == 0 for v in held if not isinstance(v, dict)) and not any(
         isinstance(v, np.ndarray) for v in held)

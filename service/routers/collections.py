@@ -45,6 +45,25 @@ async def get_collection(collection: str, _: CollectionAccessDep, store: StoreDe
     return collection_out(info, await asyncio.to_thread(gallery.size, collection))
 
 
+@router.get("/{collection}/index", response_model=schemas.IndexOut,
+            summary="The collection's search index and what its build measured",
+            description="Which index answers searches (exact, or an approximate one chosen by measurement "
+                        "on the collection: recall@10 and decision agreement against exact search, "
+                        "latency), at what search effort, and at what size it was chosen. The measured "
+                        "figures hold for that size: the index is measured again, in the background, once "
+                        "the collection has grown by FACEREC_GALLERY__RESELECT_GROWTH (2x).")
+async def get_index(collection: str, _: CollectionAccessDep, gallery: GalleryDep) -> schemas.IndexOut:
+    info, reselecting = await asyncio.to_thread(gallery.describe, collection)
+    faces = await asyncio.to_thread(gallery.size, collection)
+    m = info.measured
+    measured = None if m is None else schemas.IndexMeasurement(
+        recall_at_10=m.recall, recall_lower_bound=m.recall_bound, genuine_agreement=m.genuine_agreement,
+        impostor_agreement=m.impostor_agreement, p50_ms=m.p50_ms, p99_ms=m.p99_ms)
+    return schemas.IndexOut(engine=info.engine, kind=info.kind, search_effort=info.effort,
+                            chosen_at_faces=info.chosen_at, measured=measured, reselecting=reselecting,
+                            faces=faces)
+
+
 @router.delete("/{collection}", status_code=status.HTTP_204_NO_CONTENT,
                summary="Delete a collection with all its identities, faces and keys")
 async def delete_collection(collection: str, _: AdminDep, store: StoreDep, gallery: GalleryDep,
