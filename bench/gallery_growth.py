@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         table(steps),
         "*grown*: the index chosen at the first size, faces only added since; *gallery rule*: the same "
         "collection as the gallery keeps it (measured again in the background once it holds "
-        "`reselect_growth`, 2, times the faces its index was chosen at; *chosen at* is that size).",
+        f"`reselect_growth`, {IndexConfig().reselect_growth:g}, times the faces its index was chosen at; "
+        "*chosen at* is that size).",
     ])
     print(text)
     write_section(args.out, "bench.gallery_growth", text)

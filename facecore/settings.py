@@ -58,7 +58,7 @@ class GallerySettings(BaseModel):
                            "(PQ fast-scan or SQ8 + exact re-rank, IVF); one is kept if it meets the targets "
                            "(at build, and in the background when an exact collection grows past it); "
                            "from 20,000 faces up to it, when the exact scan's timed p99 misses 5 ms")
-    reselect_growth: float = Field(2.0, ge=0, description="an index chosen by measurement is measured again, "
+    reselect_growth: float = Field(1.5, ge=0, description="an index chosen by measurement is measured again, "
                                    "in the background, once its collection holds this many times the faces "
                                    "it was chosen at (0: never; otherwise more than 1)")
     batch_window_ms: float = Field(0.0, ge=0, le=100, description="how long a search waits for concurrent "

@@ -393,7 +393,7 @@ def test_between_exact_always_and_exact_max_the_exact_scan_is_timed(monkeypatch:
 
 
 def test_a_measured_index_outgrows_reselect_growth_times_its_size(tmp_path: Path) -> None:
-    """Measured at 300 faces: outgrown above 600 (``reselect_growth`` 2), never with 0; a snapshot written
+    """Measured at 300 faces: outgrown above 450 (``reselect_growth`` 1.5), never with 0; a snapshot written
     before the size was recorded counts from its own size; a growth in (0, 1] is refused by the settings
     (it would measure the collection again at every sync)."""
     vectors = face_like(30, 10, 32)
@@ -403,9 +403,9 @@ def test_a_measured_index_outgrows_reselect_growth_times_its_size(tmp_path: Path
     assert measured.kind is IndexKind.PQ4FS and measured.selected_at == 300
     wrapped = FaissIndex(measured, dict.fromkeys(ids.tolist(), 0))
     more = face_like(31, 10, 32, seed=5)
-    wrapped.add(np.arange(1000, 1300, dtype=np.int64), np.zeros(300, np.int64), more[:300])
-    assert len(wrapped) == 600 and not wrapped.outgrown
-    wrapped.add(np.array([1300]), np.zeros(1, np.int64), more[300:301])
+    wrapped.add(np.arange(1000, 1150, dtype=np.int64), np.zeros(150, np.int64), more[:150])
+    assert len(wrapped) == 450 and not wrapped.outgrown
+    wrapped.add(np.array([1150]), np.zeros(1, np.int64), more[150:151])
     assert wrapped.outgrown
     measured.config = IndexConfig(exact_max=100, reselect_growth=0)
     assert not wrapped.outgrown
@@ -415,7 +415,7 @@ def test_a_measured_index_outgrows_reselect_growth_times_its_size(tmp_path: Path
     assert meta["selected_at"] == 300
     del meta["selected_at"]
     meta_path.write_text(json.dumps(meta))
-    assert FaceIndex.load(tmp_path / "c.faiss", config)[0].selected_at == 601
+    assert FaceIndex.load(tmp_path / "c.faiss", config)[0].selected_at == 451
     for growth in (0.5, 1.0):
         with pytest.raises(ValidationError, match="reselect_growth"):
             GallerySettings(reselect_growth=growth)

@@ -51,7 +51,7 @@ async def get_collection(collection: str, _: CollectionAccessDep, store: StoreDe
                         "on the collection: recall@10 and decision agreement against exact search, "
                         "latency), at what search effort, and at what size it was chosen. The measured "
                         "figures hold for that size: the index is measured again, in the background, once "
-                        "the collection has grown by FACEREC_GALLERY__RESELECT_GROWTH (2x).")
+                        "the collection has grown by FACEREC_GALLERY__RESELECT_GROWTH (1.5x).")
 async def get_index(collection: str, _: CollectionAccessDep, gallery: GalleryDep) -> schemas.IndexOut:
     info, reselecting = await asyncio.to_thread(gallery.describe, collection)
     faces = await asyncio.to_thread(gallery.size, collection)
