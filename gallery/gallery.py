@@ -32,6 +32,7 @@ from gallery.engines import CollectionIndex, Engine, FaissEngine, IndexInfo, mak
 from gallery.index import IndexConfig
 from gallery.models import ChangeOp
 from gallery.store import Change, CollectionInfo, GalleryStore, check_model
+from gallery.threads import at_low_priority
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +258,12 @@ class Gallery:
                 since = self._applied  # the vectors read below include at least every change up to here
             log.info("collection %s grew past the size its index was chosen for (%d faces): choosing it "
                      "again in the background", info.name, len(entry.index))
-            ids, identities, vectors = self.store.collection_vectors(info.id, info.dimension)
-            built = self.engine.build(info, ids, identities, vectors)
+
+            def build() -> CollectionIndex:
+                ids, identities, vectors = self.store.collection_vectors(info.id, info.dimension)
+                return self.engine.build(info, ids, identities, vectors)
+
+            built = at_low_priority(build)  # the requests served meanwhile go first (gallery/threads.py)
             with self._lock:
                 if self._collections.get(info.id) is not entry:
                     return  # dropped, re-embedded or rebuilt meanwhile: this build is out of date

@@ -1,4 +1,4 @@
-"""How many OpenMP threads a FAISS search gets.
+"""How many OpenMP threads a FAISS search gets, and at what priority a background build runs.
 
 FAISS spreads a search over OpenMP threads, and libgomp's idle workers then spin, waiting for the next
 parallel region, for a few milliseconds of CPU. For the searches a gateway mostly does (one query, a
@@ -13,7 +13,10 @@ searches, and put back after it (an index build in the same thread keeps all of 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import faiss
 
@@ -35,3 +38,48 @@ def threads_for(work: int) -> Iterator[None]:
         yield
     finally:
         faiss.omp_set_num_threads(previous)
+
+
+#: Nice value a background index build adds to its thread. On Linux a thread's nice value is its own and
+#: the threads it starts inherit it (FAISS's OpenMP workers, the selection's throughput probes), so the
+#: searches and requests served meanwhile go first; on an idle machine the build runs as fast as before.
+#: Measured (a 300k x 128 selection beside one-thread 40k-face searches in the same process, 2 cores):
+#: the searches' p99 5.68 -> 2.25 ms, p90 1.91 -> 1.50 ms, the build 26.8 -> 27.1 s.
+BACKGROUND_NICE = 10
+
+
+def lower_this_thread(by: int = BACKGROUND_NICE) -> bool:
+    """Raise the calling thread's nice value by ``by`` (at most 19); False where the system does not
+    allow it (a platform without per-thread priorities)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+T = TypeVar("T")
+
+
+def at_low_priority(function: Callable[[], T]) -> T:
+    """``function()`` run on a thread of its own whose nice value is raised (``lower_this_thread``),
+    waited for; its exception is raised here. The caller keeps its priority: an unprivileged thread
+    cannot lower its nice value again, and a low-priority thread should not hold the locks that requests
+    wait for."""
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        lower_this_thread()
+        try:
+            outcome.append(function())
+        except BaseException as exc:  # handed to the caller
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name=f"{threading.current_thread().name}-low", daemon=True)
+    worker.start()
+    worker.join()
+    if failure:
+        raise failure[0]
+    return outcome[0]

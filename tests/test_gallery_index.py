@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from gallery.errors import InvalidEmbedding
 from gallery.gallery import Gallery, SearchResult
 from gallery.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
 from gallery.store import GalleryStore
-from gallery.threads import SMALL_WORK
+from gallery.threads import BACKGROUND_NICE, SMALL_WORK, at_low_priority
 from tests.gallery_helpers import MODEL, GalleryFactory, assert_gallery_matches_db, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
@@ -607,7 +608,10 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
     built, release = threading.Event(), threading.Event()
     build = gallery.engine.build
 
+    nice: list[int] = []
+
     def held_build(*args: object) -> object:
+        nice.append(this_thread_nice())
         index = build(*args)  # type: ignore[arg-type]
         built.set()
         assert release.wait(60)
@@ -617,6 +621,7 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
     enroll_clustered(store, rng, "g", 10, 12, dimension, start=100)  # 360 faces
     gallery.sync()
     assert exact.outgrown and built.wait(120)
+    assert nice == [min(19, this_thread_nice() + BACKGROUND_NICE)]  # built at a lower priority
     # while the new index waits: the exact one keeps answering and following the log
     enroll_clustered(store, rng, "g", 2, 12, dimension, start=200)
     deleted = int(store.collection_vectors(store.get_collection("g").id, dimension)[0][0])
@@ -682,6 +687,22 @@ def test_a_measured_index_is_measured_again_when_its_collection_has_grown(
     enroll_clustered(store, rng, "m", 50, 12, dimension, start=300)  # 972: more than twice 372
     never.sync()
     assert never._entry("m").index.index.selected_at == 372 and not never._entry("m").index.outgrown
+
+
+def this_thread_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_at_low_priority_runs_on_a_thread_of_lower_priority_and_hands_back_its_outcome() -> None:
+    before = this_thread_nice()
+    assert at_low_priority(this_thread_nice) == min(19, before + BACKGROUND_NICE)
+    assert this_thread_nice() == before  # the caller keeps its own
+
+    def failing() -> None:
+        raise MemoryError("the build ran out of memory")
+
+    with pytest.raises(MemoryError, match="ran out"):
+        at_low_priority(failing)
 
 
 def test_a_failed_background_selection_is_retried_only_later(store: GalleryStore, tmp_path: Path,
