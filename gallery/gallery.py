@@ -43,6 +43,9 @@ ENGINE_LOCK = 0x6661636574
 INLINE_WORK = 1 << 20
 #: Identity labels remembered at most; past it the memory starts again empty.
 MAX_LABELS = 100_000
+#: How a background index selection ends: the new index took over; the collection was dropped, re-embedded
+#: or rebuilt meanwhile (the new index was thrown away); or it raised (tried again after RESELECT_RETRY_S).
+RESELECT_OUTCOMES = ("chosen", "outdated", "failed")
 #: After a background index selection failed, seconds before the collection's next one.
 RESELECT_RETRY_S = 600.0
 
@@ -126,6 +129,8 @@ class Gallery:
         #: and when such a choice last failed (tried again only after ``RESELECT_RETRY_S``)
         self._reselecting: dict[int, threading.Thread] = {}
         self._reselect_failed: dict[int, float] = {}
+        #: Background selections finished, by outcome (``RESELECT_OUTCOMES``).
+        self._reselections: dict[str, int] = dict.fromkeys(RESELECT_OUTCOMES, 0)
 
     # --- loading, replay, snapshots -----------------------------------------------------------
 
@@ -266,6 +271,7 @@ class Gallery:
             built = at_low_priority(build)  # the requests served meanwhile go first (gallery/threads.py)
             with self._lock:
                 if self._collections.get(info.id) is not entry:
+                    self._reselections["outdated"] += 1
                     return  # dropped, re-embedded or rebuilt meanwhile: this build is out of date
                 start = since
                 while start < self._applied and (changes := self.store.changes_since(start)):
@@ -274,15 +280,23 @@ class Gallery:
                     start = changes[-1].seq
                 self._collections[info.id] = _Collection(info, built)
                 self._erased.add(info.name)  # persisted within seconds: a restart loads the new kind
+                self._reselections["chosen"] += 1
             log.info("collection %s: new index in %.1f s (%d faces)", info.name, time.perf_counter() - began,
                      len(built))
         except Exception:  # the current index keeps serving; tried again after RESELECT_RETRY_S
             log.exception("choosing the index of collection %s again failed", info.name)
             with self._lock:
                 self._reselect_failed[info.id] = time.monotonic()
+                self._reselections["failed"] += 1
         finally:
             with self._lock:
                 self._reselecting.pop(info.id, None)
+
+    def reselection_state(self) -> tuple[int, dict[str, int]]:
+        """Collections whose index is being chosen again in the background now, and the selections
+        finished so far by outcome (``RESELECT_OUTCOMES``): for the metrics."""
+        with self._lock:
+            return len(self._reselecting), dict(self._reselections)
 
     def join_reselections(self, timeout: float | None = None) -> None:
         """Wait for the background index selections under way (tests, shutdown)."""

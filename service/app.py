@@ -89,7 +89,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.keys = keys = KeyStore(db, settings.security.admin_key.get_secret_value())
     keys.start_watch(settings.gallery.follow_interval_s)
     metrics: Metrics = app.state.metrics
-    metrics.watch_gallery(gallery.sizes)
+    metrics.watch_gallery(gallery.sizes, gallery.reselection_state)
     app.state.faces = Recognition(pipeline, gallery, store, settings.limits.max_faces,
                                   metrics.observe_pipeline)
     app.state.recognition = RecognitionCheck(pipeline, probe_image(), settings.triton.probe_interval_s)

@@ -29,6 +29,27 @@ class GallerySizes(Collector):
         yield family
 
 
+class GallerySelections(Collector):
+    """``facerec_gallery_index_reselecting`` and ``facerec_gallery_index_reselections_total{outcome}``: the
+    indexes being chosen again in the background (``Gallery.reselection_state``), read at scrape time."""
+
+    def __init__(self, state: Callable[[], tuple[int, dict[str, int]]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[Metric]:
+        running, finished = self._state()
+        yield GaugeMetricFamily("facerec_gallery_index_reselecting",
+                                "collections whose index is being chosen again in the background now",
+                                value=running)
+        family = CounterMetricFamily("facerec_gallery_index_reselections",
+                                     "background index selections finished, by outcome (chosen: the new "
+                                     "index took over; outdated: thrown away; failed: retried later)",
+                                     labels=["outcome"])
+        for outcome, count in sorted(finished.items()):
+            family.add_metric([outcome], count)
+        yield family
+
+
 class AdmissionGauges(Collector):
     """``facerec_in_flight`` and ``facerec_shed_requests_total`` of the load shedding, read at scrape time."""
 
@@ -62,5 +83,7 @@ class Metrics:
     def watch_admission(self, admission: Admission) -> None:
         self.registry.register(AdmissionGauges(admission))
 
-    def watch_gallery(self, sizes: Callable[[], dict[str, int]]) -> None:
+    def watch_gallery(self, sizes: Callable[[], dict[str, int]],
+                      selections: Callable[[], tuple[int, dict[str, int]]]) -> None:
         self.registry.register(GallerySizes(sizes))
+        self.registry.register(GallerySelections(selections))

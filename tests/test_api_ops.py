@@ -109,6 +109,8 @@ def test_metrics(api: Api) -> None:
     assert sample(found, "facerec_faces_per_request_sum") == 1 + 6
     assert sample(found, "facerec_faces_per_request_bucket", le="0.0") == 0
     assert sample(found, "facerec_gallery_faces", collection="metered") == 1
+    assert sample(found, "facerec_gallery_index_reselecting") == 0
+    assert sample(found, "facerec_gallery_index_reselections_total", outcome="chosen") == 0
 
     api.ok(api.enroll("metered", "obama", "obama3.jpg"), 201)
     api.create_collection("empty")

@@ -78,7 +78,7 @@ def gateway_metrics() -> dict[str, set[str]]:
     metrics.latency.labels("GET", "/health/live").observe(0.01)
     metrics.triton_latency.observe(0.01)
     metrics.faces.observe(2)
-    metrics.watch_gallery(lambda: {"default": 3})
+    metrics.watch_gallery(lambda: {"default": 3}, lambda: (0, {"chosen": 1, "outdated": 0, "failed": 0}))
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         for sample in family.samples:

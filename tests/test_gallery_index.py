@@ -632,9 +632,11 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
     assert (described.kind, described.effort, described.chosen_at, described.measured) == ("flat", None,
                                                                                            None, None)
     assert reselecting
+    assert gallery.reselection_state() == (1, {"chosen": 0, "outdated": 0, "failed": 0})
     release.set()
     gallery.join_reselections(120)
     assert gallery.describe("g")[1] is False
+    assert gallery.reselection_state() == (0, {"chosen": 1, "outdated": 0, "failed": 0})
     chosen = gallery._entry("g").index
     assert chosen is not exact and chosen.index.kind is IndexKind.PQ4FS and chosen.index.selection
     assert deleted not in chosen.face_ids()
@@ -723,6 +725,7 @@ def test_a_failed_background_selection_is_retried_only_later(store: GalleryStore
     exact = gallery._entry("f").index
     assert exact.outgrown and exact.index.kind is IndexKind.FLAT and len(exact) == 120  # still serving
     assert list(gallery._reselect_failed) == [store.get_collection("f").id]
+    assert gallery.reselection_state() == (0, {"chosen": 0, "outdated": 0, "failed": 1})
     gallery.sync()
     assert not gallery._reselecting  # not tried again at once
     monkeypatch.setattr(gallery_module, "RESELECT_RETRY_S", 0.0)
