@@ -34,7 +34,7 @@ Faces = Callable[[], tuple[Ids, Ids]]
 
 @dataclass(frozen=True)
 class IndexInfo:
-    """What a collection's index is, and what its build measured (``GET /v1/collections/{name}``)."""
+    """What a collection's index is, and what its build measured (``GET /v1/collections/{name}/index``)."""
 
     engine: str  # "faiss" or "milvus"
     kind: str  # IndexKind's value (FAISS), the index type (Milvus)

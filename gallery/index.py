@@ -241,7 +241,7 @@ class FaceIndex:
         index.kind, index.nprobe = kind, int(meta["nprobe"])
         index.selection = [Measurement(**m) for m in meta.get("selection", [])]
         index.exact_checked = int(meta.get("exact_checked", 0))
-        # a snapshot written before the size was recorded: measured again at twice its size now
+        # a snapshot written before the size was recorded: measured again once grown from its size now
         index.selected_at = int(meta.get("selected_at") or (meta["ids"] if index.selection else 0))
         if kind is IndexKind.IVF and not isinstance(cpu, RefinedIndex):
             faiss.extract_index_ivf(cpu).nprobe = index.nprobe
