@@ -21,6 +21,7 @@ from typing import Any
 from facecore.client import AsyncPipelineClient, PipelineClient
 from facecore.settings import Settings, load_settings
 from gallery.db import Database, create_db_engine, migrate
+from gallery.engines import IndexInfo
 from gallery.errors import GalleryError
 from gallery.store import GalleryStore
 
@@ -126,13 +127,33 @@ def _rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def index_summary(info: IndexInfo) -> str:
+    """One line on a collection's index for ``stats``: its kind and effort, and what its build measured."""
+    if info.engine != "faiss":
+        return f"{info.engine} {info.kind}"
+    if info.kind == "flat":
+        if info.chosen_at is None:
+            return "flat (exact)"
+        return f"flat (exact; candidates measured at {info.chosen_at} faces, none kept)"
+    line = f"{info.kind} ({'nprobe' if info.kind == 'ivf' else 're-rank'} {info.effort})"
+    m = info.measured
+    if m is None:
+        return line
+    latency = "" if m.p99_ms is None else f", p99 {m.p99_ms:.2f} ms"
+    return (f"{line}, chosen at {info.chosen_at} faces: recall@10 {m.recall:.4f} (lower bound "
+            f"{m.recall_bound:.4f}), agreement {100 * m.genuine_agreement:.2f} % genuine / "
+            f"{100 * m.impostor_agreement:.2f} % impostor{latency}")
+
+
 def _stats(args: argparse.Namespace) -> int:
     from gallery.gallery import open_gallery
 
     gallery = open_gallery(open_store(args.database_url), args.settings, args.snapshot_dir)
     gallery.load()
     for info in gallery.store.list_collections():
-        print(f"{info.name}\t{info.embedding_model}\t{info.dimension}-d\t{gallery.size(info.name)} faces")
+        index, _ = gallery.describe(info.name)
+        print(f"{info.name}\t{info.embedding_model}\t{info.dimension}-d\t{gallery.size(info.name)} faces\t"
+              f"{index_summary(index)}")
     return 0
 
 
@@ -204,7 +225,8 @@ def parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     p.add_argument("--collection")
     p.set_defaults(run=_rebuild)
 
-    sub.add_parser("stats", help="collections and index sizes").set_defaults(run=_stats)
+    sub.add_parser("stats", help="collections, their sizes and indexes (kind, search effort, what the "
+                   "build measured)").set_defaults(run=_stats)
 
     p = sub.add_parser("reembed", help="re-embed a collection from its stored crops with the served model")
     p.add_argument("--collection", required=True)

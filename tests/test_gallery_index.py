@@ -18,6 +18,7 @@ from sqlalchemy import Engine
 
 import gallery.gallery as gallery_module
 import gallery.selection as selection
+from gallery.engines import FaissIndex, IndexInfo
 from gallery.errors import InvalidEmbedding
 from gallery.gallery import Gallery, SearchResult
 from gallery.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
@@ -689,6 +690,37 @@ def test_a_measured_index_is_measured_again_when_its_collection_has_grown(
     enroll_clustered(store, rng, "m", 50, 12, dimension, start=300)  # 972: more than twice 372
     never.sync()
     assert never._entry("m").index.index.selected_at == 372 and not never._entry("m").index.outgrown
+
+
+def test_stats_prints_each_collection_with_its_index(store: GalleryStore, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m gallery stats``: size and index of every collection, with what the build measured."""
+    from gallery.__main__ import index_summary
+    from gallery.__main__ import main as gallery_main
+
+    rng = np.random.default_rng(34)
+    store.create_collection("small", MODEL, 32, 0.5)
+    enroll_clustered(store, rng, "small", 3, 4, 32)
+    url = store.db.engine.url.render_as_string(hide_password=False)
+    assert gallery_main(["--database-url", url, "--snapshot-dir", str(tmp_path / "s"), "stats"]) == 0
+    assert capsys.readouterr().out == f"small\t{MODEL}\t32-d\t12 faces\tflat (exact)\n"
+
+    vectors = clustered(rng, 20, 12, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    measured = FaissIndex(FaceIndex.build(32, ids, vectors, approximate("pq4fs", 100)), {})
+    m = measured.describe().measured
+    assert m is not None
+    assert index_summary(measured.describe()) == (
+        f"pq4fs (re-rank {measured.index.nprobe}), chosen at 240 faces: recall@10 {m.recall:.4f} "
+        f"(lower bound {m.recall_bound:.4f}), agreement {100 * m.genuine_agreement:.2f} % genuine / "
+        f"{100 * m.impostor_agreement:.2f} % impostor")
+    unreachable = IndexConfig(exact_max=100, candidates=("pq4fs",), latency_check=False, target_recall=1.01)
+    refused = FaceIndex.build(32, ids, vectors, unreachable)
+    assert refused.kind is IndexKind.FLAT and refused.selection
+    assert index_summary(FaissIndex(refused, {}).describe()) == (
+        "flat (exact; candidates measured at 240 faces, none kept)")
+    assert index_summary(IndexInfo("milvus", "HNSW")) == "milvus HNSW"
 
 
 def this_thread_nice() -> int:
