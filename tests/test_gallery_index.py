@@ -693,7 +693,6 @@ def test_a_measured_index_is_measured_again_when_its_collection_has_grown(
 
 
 def test_stats_prints_each_collection_with_its_index(store: GalleryStore, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m gallery stats``: size and index of every collection, with what the build measured."""
     from gallery.__main__ import index_summary
