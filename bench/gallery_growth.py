@@ -1,6 +1,6 @@
 """Does an index chosen by measurement keep its targets while its collection grows?
 
-    python -m bench.gallery_growth                                   # 100k -> 1M at 128-d and 512-d
+    python -m bench.gallery_growth            # 100k -> 150k, 200k, 400k, 1M at 128-d and 512-d (~7 min)
     python -m bench.gallery_growth --first 20000 --sizes 40000 100000 --dims 128
 
 An index is chosen (``gallery/selection.py``) on the collection as it is at build: the search effort
@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--first", type=int, default=100_000, help="faces at the first build (default: "
                         "%(default)s)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[200_000, 400_000, 1_000_000],
+    parser.add_argument("--sizes", type=int, nargs="+", default=[150_000, 200_000, 400_000, 1_000_000],
                         help="sizes grown to, by adds (default: %(default)s)")
-    parser.add_argument("--dims", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--queries", type=int, default=1000, help="genuine and impostor probes per size "
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 512], help="(default: %(default)s)")
+    parser.add_argument("--queries", type=int, default=2000, help="genuine and impostor probes per size "
                         "(default: %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")
     args = parser.parse_args(argv)
