@@ -152,7 +152,7 @@ def _stats(args: argparse.Namespace) -> int:
     gallery.load()
     for info in gallery.store.list_collections():
         index, _ = gallery.describe(info.name)
-        print(f"{info.name}\t{info.embedding_model}\t{info.dimension}-d\t{gallery.size(info.name)} faces\t"
+        print(f"{info.name}\t{info.embedding_model}\t{info.dimension}-d\t{index.faces} faces\t"
               f"{index_summary(index)}")
     return 0
 

@@ -41,6 +41,7 @@ class IndexInfo:
     effort: int | None = None  # re-rank depth or nprobe of an approximate FAISS index
     chosen_at: int | None = None  # faces when the candidates were measured (None: never)
     measured: Measurement | None = None  # the kept candidate's measurement (None: exact, or Milvus)
+    faces: int = 0  # faces the index holds
 
 
 class CollectionIndex(Protocol):
@@ -184,9 +185,9 @@ class FaissIndex:
     def describe(self) -> IndexInfo:
         index = self.index
         if index.kind is IndexKind.FLAT:
-            return IndexInfo("faiss", index.kind.value, chosen_at=index.selected_at or None)
+            return IndexInfo("faiss", index.kind.value, chosen_at=index.selected_at or None, faces=len(index))
         kept = next((m for m in reversed(index.selection) if m.kind == index.kind.value and m.accurate), None)
-        return IndexInfo("faiss", index.kind.value, index.nprobe, index.selected_at or None, kept)
+        return IndexInfo("faiss", index.kind.value, index.nprobe, index.selected_at or None, kept, len(index))
 
 
 class FaissEngine:

@@ -407,8 +407,9 @@ class Gallery:
         """The collection's index (``CollectionIndex.describe``), and whether a new one is being chosen for
         it in the background (``FaissIndex.outgrown``)."""
         entry = self._entry(collection)
+        described = entry.index.describe()  # Milvus counts its rows: not under the lock
         with self._lock:
-            return entry.index.describe(), entry.info.id in self._reselecting
+            return described, entry.info.id in self._reselecting
 
     def face_ids(self, collection: str) -> set[int]:
         return self._entry(collection).index.face_ids()

@@ -76,7 +76,7 @@ class MilvusIndex:
         self.barrier = barrier
 
     def describe(self) -> IndexInfo:
-        return IndexInfo("milvus", self.index_type)
+        return IndexInfo("milvus", self.index_type, faces=len(self))
 
     def __len__(self) -> int:
         rows = self.client.query(self.name, filter="", output_fields=["count(*)"], consistency_level=STRONG)

@@ -54,14 +54,13 @@ async def get_collection(collection: str, _: CollectionAccessDep, store: StoreDe
                         "the collection has grown by FACEREC_GALLERY__RESELECT_GROWTH (1.5x).")
 async def get_index(collection: str, _: CollectionAccessDep, gallery: GalleryDep) -> schemas.IndexOut:
     info, reselecting = await asyncio.to_thread(gallery.describe, collection)
-    faces = await asyncio.to_thread(gallery.size, collection)
     m = info.measured
     measured = None if m is None else schemas.IndexMeasurement(
         recall_at_10=m.recall, recall_lower_bound=m.recall_bound, genuine_agreement=m.genuine_agreement,
         impostor_agreement=m.impostor_agreement, p50_ms=m.p50_ms, p99_ms=m.p99_ms)
     return schemas.IndexOut(engine=info.engine, kind=info.kind, search_effort=info.effort,
                             chosen_at_faces=info.chosen_at, measured=measured, reselecting=reselecting,
-                            faces=faces)
+                            faces=info.faces)
 
 
 @router.delete("/{collection}", status_code=status.HTTP_204_NO_CONTENT,
