@@ -2,6 +2,11 @@
 benchmarks, the importer's re-embedding) and asyncio (the gateway, the importer).
 
 Requests and results follow ``facecore.contract``; every Triton error becomes a ``PipelineError``.
+The ``face_pipeline`` call, the one every recognition request makes, is sent through tritonclient's
+generated gRPC stub with its request built and its response read here (``infer_request``,
+``faces_from_response``): tritonclient's ``InferInput`` / ``InferResult`` wrappers around the same
+protobuf messages cost the gateway 0.1-0.3 ms more CPU per call (``python -m bench.gateway`` measures
+both side by side; docs/benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -9,10 +14,12 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as aioclient
+from google.protobuf import json_format
 from numpy.typing import NDArray
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from facecore.contract import (
@@ -23,7 +30,6 @@ from facecore.contract import (
     Faces,
     Input,
     RequestOptions,
-    image_tensor,
 )
 from facecore.processing import l2_normalize, to_tensor
 from facecore.spec import ModelSpec, spec_from_dict
@@ -48,6 +54,12 @@ class PipelineError(Exception):
     def from_exception(cls, exc: InferenceServerException) -> PipelineError:
         return cls(str(exc.message()), exc.status())
 
+    @classmethod
+    def from_rpc_error(cls, exc: grpc.RpcError) -> PipelineError:
+        """The same message and status tritonclient gives for this error (``StatusCode.NAME``)."""
+        call: Any = exc  # a grpc.Call as well; grpc's RpcError is untyped
+        return cls(str(call.details() or ""), str(call.code()))
+
 
 def _input(name: str, array: NDArray[Any], dtype: DataType) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, list(array.shape), dtype.value)
@@ -55,23 +67,53 @@ def _input(name: str, array: NDArray[Any], dtype: DataType) -> grpcclient.InferI
     return tensor
 
 
-def build_inputs(image: bytes, options: RequestOptions) -> list[grpcclient.InferInput]:
-    """Request tensors: the encoded image and whichever per-request options are set."""
-    inputs = [_input(Input.IMAGE.value, image_tensor(image), DataType.BYTES)]
-    inputs += [_input(name, array, dtype) for name, dtype, array in options.tensors()]
-    return inputs
+def channel_options() -> list[tuple[str, int]]:
+    """The options tritonclient's own clients open their channel with: messages up to 2 GiB, its
+    keepalive defaults."""
+    keepalive = grpcclient.KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+    ]
 
 
-def requested_outputs() -> list[grpcclient.InferRequestedOutput]:
-    return [grpcclient.InferRequestedOutput(name) for name in OUTPUT_NAMES]
+def infer_request(image: bytes, options: RequestOptions) -> service_pb2.ModelInferRequest:
+    """``face_pipeline``'s request: the encoded image (a BYTES tensor [1, 1]: a 4-byte little-endian
+    length, then the bytes), whichever per-request options are set, and every output asked for."""
+    request = service_pb2.ModelInferRequest(model_name=PIPELINE_MODEL)
+    request.inputs.add(name=Input.IMAGE.value, datatype=DataType.BYTES.value, shape=[1, 1])
+    request.raw_input_contents.append(len(image).to_bytes(4, "little") + image)
+    for name, dtype, array in options.tensors():
+        request.inputs.add(name=name, datatype=dtype.value, shape=list(array.shape))
+        request.raw_input_contents.append(array.tobytes())
+    for name in OUTPUT_NAMES:
+        request.outputs.add(name=name)
+    return request
 
 
-def parse_result(result: grpcclient.InferResult) -> Faces:
+def faces_from_response(response: service_pb2.ModelInferResponse) -> Faces:
+    """The faces of one ``face_pipeline`` response (its raw outputs, batch of one, read without a copy)."""
+    arrays: dict[str, NDArray[np.generic]] = {}
+    if len(response.outputs) != len(response.raw_output_contents):
+        raise PipelineError(f"{PIPELINE_MODEL} returned {len(response.outputs)} outputs and "
+                            f"{len(response.raw_output_contents)} output buffers", None)
+    for output, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        try:
+            dtype = DataType(output.datatype).numpy
+            arrays[output.name] = np.frombuffer(raw, dtype=dtype).reshape(tuple(output.shape))
+        except (ValueError, TypeError) as exc:  # an unknown type, or a buffer that does not fit the shape
+            raise PipelineError(f"{PIPELINE_MODEL} returned an unreadable {output.name} "
+                                f"({output.datatype} {list(output.shape)}): {exc}", None) from exc
+
     def out(name: str) -> NDArray[np.generic]:
-        array = result.as_numpy(name)
-        if array is None:
-            raise PipelineError(f"{PIPELINE_MODEL} returned no {name}", None)
-        first: NDArray[np.generic] = array[0]  # tritonclient is untyped
+        array = arrays.get(name)
+        if array is None or array.ndim == 0 or len(array) != 1:
+            raise PipelineError(f"{PIPELINE_MODEL} returned no {name} for its one image", None)
+        first: NDArray[np.generic] = array[0]
         return first
 
     return Faces.from_arrays(out)
@@ -106,17 +148,19 @@ class PipelineClient:
 
     def __init__(self, url: str, timeout_s: float | None = 30.0) -> None:
         self._client = grpcclient.InferenceServerClient(url)
+        # face_pipeline's calls on a channel of their own, through the generated stub (see the module's doc)
+        self._channel = grpc.insecure_channel(url, options=channel_options())
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._timeout = timeout_s
 
     def infer(self, image: bytes, *, score_threshold: float | None = None, max_faces: int | None = None,
               min_face_size: float | None = None, return_crops: bool = False) -> Faces:
-        options = _options(score_threshold, max_faces, min_face_size, return_crops)
+        request = infer_request(image, _options(score_threshold, max_faces, min_face_size, return_crops))
         try:
-            result = self._client.infer(PIPELINE_MODEL, build_inputs(image, options),
-                                        outputs=requested_outputs(), client_timeout=self._timeout)
-        except InferenceServerException as exc:
-            raise PipelineError.from_exception(exc) from exc
-        return parse_result(result)
+            response = self._stub.ModelInfer(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise PipelineError.from_rpc_error(exc) from exc
+        return faces_from_response(response)
 
     def embedder(self) -> ModelSpec:
         """The embedding model served behind the pipeline (name, dimension, default threshold)."""
@@ -152,38 +196,43 @@ class PipelineClient:
         return l2_normalize(np.concatenate(parts)) if parts else np.zeros((0, spec.embedding_dim), np.float32)
 
     def close(self) -> None:
+        self._channel.close()
         self._client.close()
 
 
 class AsyncPipelineClient:
-    """asyncio client for the gateway and the importer; one per process, shared by requests."""
+    """asyncio client for the gateway and the importer; one per process, shared by requests. Every call
+    goes through tritonclient's generated stub on one channel (see the module's doc)."""
 
     def __init__(self, url: str, timeout_s: float | None = 30.0) -> None:
-        self._client = aioclient.InferenceServerClient(url)
+        self._channel = grpc.aio.insecure_channel(url, options=channel_options())
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._timeout = timeout_s
 
     async def infer(self, image: bytes, *, score_threshold: float | None = None, max_faces: int | None = None,
                     min_face_size: float | None = None, return_crops: bool = False) -> Faces:
-        options = _options(score_threshold, max_faces, min_face_size, return_crops)
+        request = infer_request(image, _options(score_threshold, max_faces, min_face_size, return_crops))
         try:
-            result = await self._client.infer(PIPELINE_MODEL, build_inputs(image, options),
-                                              outputs=requested_outputs(), client_timeout=self._timeout)
-        except InferenceServerException as exc:
-            raise PipelineError.from_exception(exc) from exc
-        return parse_result(result)
+            response = await self._stub.ModelInfer(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise PipelineError.from_rpc_error(exc) from exc
+        return faces_from_response(response)
 
     async def embedder(self) -> ModelSpec:
         try:
-            config = await self._client.get_model_config(PIPELINE_MODEL, as_json=True)
-        except InferenceServerException as exc:
-            raise PipelineError.from_exception(exc) from exc
-        return embedder_from_config(config)
+            response = await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=PIPELINE_MODEL),
+                                                    timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise PipelineError.from_rpc_error(exc) from exc
+        return embedder_from_config(json_format.MessageToDict(response, preserving_proto_field_name=True))
 
     async def ready(self) -> bool:
         try:
-            return bool(await self._client.is_model_ready(PIPELINE_MODEL))
-        except InferenceServerException:
+            response = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=PIPELINE_MODEL),
+                                                   timeout=self._timeout)
+        except grpc.RpcError:
             return False
+        return bool(response.ready)
 
     async def close(self) -> None:
-        await self._client.close()
+        await self._channel.close()

@@ -126,11 +126,6 @@ class RequestOptions:
         return cls(threshold, None if faces is None else int(faces), size, bool(scalar(Input.RETURN_CROPS)))
 
 
-def image_tensor(image: bytes) -> NDArray[np.object_]:
-    """The IMAGE input for one encoded image: shape [1, 1]."""
-    return np.array([[image]], dtype=np.object_)
-
-
 @dataclass(frozen=True)
 class Faces:
     """Every face of one image, in that image's pixels, best detector score first."""

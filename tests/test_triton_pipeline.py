@@ -16,6 +16,7 @@ from export.profiles import Profile, ProfileTuning
 from export.repository import RepositoryPlan, write_repository
 from export.served import served_networks
 from facecore.client import PipelineClient, PipelineError
+from facecore.contract import OUTPUT_NAMES, PIPELINE_MODEL, Input
 from facecore.pipeline import run_pipeline
 from facecore.processing import decode_image, original_size
 from service.launcher import TritonPorts, TritonServer
@@ -56,6 +57,29 @@ def test_same_person_is_closer_than_another_person(
     different = [cosine(a, biden) for a in obama]
     assert min(same) > max(different)
     assert min(same) > 0.6 and max(different) < 0.4  # SFace: same ~0.7-0.8, different < 0.3 on these photos
+
+
+@pytest.mark.parametrize("name", ["t1.jpg", "coffee.png"])
+def test_the_hand_read_response_equals_what_tritonclient_reads(
+    pipeline: PipelineClient, triton: TritonServer, photo_bytes: dict[str, bytes], name: str
+) -> None:
+    """``PipelineClient.infer`` (the request built and the response read by ``facecore.client``) gives what
+    tritonclient's ``infer`` and ``InferResult.as_numpy`` give for the same call on the real server."""
+    image = np.array([[photo_bytes[name]]], dtype=np.object_)
+    tensor = grpcclient.InferInput(Input.IMAGE.value, [1, 1], "BYTES")
+    tensor.set_data_from_numpy(image)
+    reference = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        result = reference.infer(PIPELINE_MODEL, [tensor], outputs=[grpcclient.InferRequestedOutput(output)
+                                                                    for output in OUTPUT_NAMES])
+    finally:
+        reference.close()
+    ours = pipeline.infer(photo_bytes[name]).to_arrays()
+    assert set(ours) == set(OUTPUT_NAMES)
+    for output in OUTPUT_NAMES:
+        theirs = result.as_numpy(output)[0]
+        assert ours[output].dtype == theirs.dtype and ours[output].shape == theirs.shape, output
+        np.testing.assert_allclose(ours[output], theirs, rtol=1e-5, atol=1e-5, err_msg=output)
 
 
 def test_photo_without_face_returns_empty_outputs(

@@ -1,0 +1,259 @@
+"""The gateway's own CPU per request, apart from Triton's work and from the HTTP server's.
+
+    python -m bench.gateway                  # ~4 minutes on 2 cores, most of it the gRPC calls
+    python -m bench.gateway --parts identify --rounds 6 --triton-url 127.0.0.1:8001
+
+`python -m bench` reports the gateway process's CPU per identify under load, on cores it shares with
+Triton: a figure that moves with the machine's load by more than most changes to the gateway. This
+measures the two parts of it that the gateway's code decides, in this one process, alternating rounds:
+
+1. **identify through the gateway's ASGI app**, the real one (middleware, key check, admission,
+   multipart, the FAISS search of a real SQLite gallery holding the enrolled photo, the JSON answer),
+   called straight through ASGI by ``--concurrency`` tasks, with the ``face_pipeline`` client replaced
+   by one that returns what ``face_pipeline`` answered for the photo (recorded from Triton at the start):
+   everything but the gRPC call and uvicorn's HTTP parsing and socket work.
+2. **the gRPC ``face_pipeline`` call, client side**, the same photo at the same concurrency: the gateway's
+   client (``AsyncPipelineClient``: the request built and the response read by ``facecore.client``)
+   beside tritonclient's asyncio ``infer`` with its ``InferInput`` / ``InferResult``.
+
+CPU is this process's (all its threads, gRPC's included) per request; each figure is the median over
+rounds. Writes a Markdown section to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+import uvloop
+from fastapi import FastAPI
+from starlette.types import Message
+
+from bench.core.inputs import ROOT, load_photos
+from bench.core.reporting import fmt, machine_description, markdown_table, write_section
+from bench.core.triton import triton_url
+from facecore.client import AsyncPipelineClient
+from facecore.contract import OUTPUT_NAMES, PIPELINE_MODEL, Faces, Input
+from facecore.settings import GatewaySettings
+from facecore.spec import ModelSpec
+from service.app import create_app
+
+ENROLLED, PROBE = "obama2.jpg", "obama.jpg"
+COLLECTION = "bench"
+MAX_FACES = 100  # what the gateway asks face_pipeline for (FACEREC_LIMITS__MAX_FACES default)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Answer:
+    status: int = 0
+    body: bytes = b""
+
+
+async def asgi_call(app: FastAPI, method: str, path: str, body: bytes = b"", content_type: str = "",
+                    key: str = "", query: bytes = b"") -> Answer:
+    """One HTTP request through the app's ASGI interface, as uvicorn would hand it over."""
+    headers = [(b"host", b"bench"), (b"content-length", str(len(body)).encode())]
+    headers += [(b"content-type", content_type.encode())] if content_type else []
+    headers += [(b"x-api-key", key.encode())] if key else []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
+             "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+    answer = Answer()
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            answer.status = int(message["status"])
+        else:
+            answer.body += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return answer
+
+
+def multipart(field_name: str, filename: str, data: bytes) -> tuple[bytes, str]:
+    boundary = secrets.token_hex(16)
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="{field_name}"; filename="{filename}"'
+            f'\r\nContent-Type: image/jpeg\r\n\r\n').encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+class RecordedPipeline:
+    """``face_pipeline`` answering every image with the faces recorded for the probe photo."""
+
+    def __init__(self, faces: Faces, spec: ModelSpec) -> None:
+        self.faces, self.spec = faces, spec
+
+    async def infer(self, image: bytes, **_: object) -> Faces:
+        return self.faces
+
+    async def embedder(self) -> ModelSpec:
+        return self.spec
+
+
+@dataclass
+class Runs:
+    """CPU ms per request of each variant, one value per round."""
+
+    cpu_ms: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.cpu_ms.setdefault(name, []).append(value)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.cpu_ms[name])
+
+
+async def cpu_per_call(call: Callable[[], Awaitable[None]], requests: int, concurrency: int) -> float:
+    """This process's CPU ms per ``call``, ``requests`` of them by ``concurrency`` tasks (after a warm-up)."""
+    async def worker(count: int) -> None:
+        for _ in range(count):
+            await call()
+
+    await asyncio.gather(*(worker(4) for _ in range(concurrency)))
+    per_task = max(requests // concurrency, 1)
+    began = time.process_time()
+    await asyncio.gather(*(worker(per_task) for _ in range(concurrency)))
+    return 1000 * (time.process_time() - began) / (per_task * concurrency)
+
+
+async def measure(url: str, requests: int, rounds: int, concurrency: int, parts: Sequence[str]) -> Runs:
+    photos = load_photos([ENROLLED, PROBE])
+    runs = Runs()
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as folder:
+        admin = secrets.token_urlsafe(24)
+        settings = GatewaySettings(security={"admin_key": admin}, triton={"url": url},
+                                   database={"url": f"sqlite:///{Path(folder) / 'gallery.db'}"},
+                                   gallery={"snapshot_dir": Path(folder) / "index"})
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            key = await _collection(app, admin, photos[ENROLLED])
+            client = AsyncPipelineClient(url)
+            reference = aioclient.InferenceServerClient(url)
+            recorded = await client.infer(photos[PROBE], max_faces=MAX_FACES)
+            app.state.faces.pipeline = RecordedPipeline(recorded, await client.embedder())
+            body, content_type = multipart("image", PROBE, photos[PROBE])
+            path = f"/v1/collections/{COLLECTION}/identify"
+
+            async def identify() -> None:
+                answer = await asgi_call(app, "POST", path, body, content_type, key)
+                if answer.status != 200:
+                    raise RuntimeError(f"identify answered {answer.status}: {answer.body[:300]!r}")
+
+            async def ours() -> None:
+                await client.infer(photos[PROBE], max_faces=MAX_FACES)
+
+            async def tritonclients() -> None:
+                image = grpcclient.InferInput(Input.IMAGE.value, [1, 1], "BYTES")
+                image.set_data_from_numpy(np.array([[photos[PROBE]]], dtype=np.object_))
+                limit = grpcclient.InferInput(Input.MAX_FACES.value, [1, 1], "INT32")
+                limit.set_data_from_numpy(np.array([[MAX_FACES]], dtype=np.int32))
+                result = await reference.infer(PIPELINE_MODEL, [image, limit], outputs=[
+                    grpcclient.InferRequestedOutput(name) for name in OUTPUT_NAMES])
+                Faces.from_arrays(lambda name: result.as_numpy(name)[0])
+
+            await identify()
+            decisions = json.loads((await asgi_call(app, "POST", path, body, content_type, key)).body)
+            log.info("identify %s: %s", PROBE, [face["decision"] for face in decisions["faces"]])
+            variants = {IDENTIFY: identify} if "identify" in parts else {}
+            variants |= {OURS: ours, TRITONCLIENT: tritonclients} if "grpc" in parts else {}
+            for number in range(rounds):
+                for name, call in variants.items():
+                    runs.add(name, await cpu_per_call(call, requests, concurrency))
+                    log.info("round %d %s: %.3f ms CPU per request", number + 1, name, runs.cpu_ms[name][-1])
+            await client.close()
+            await reference.close()
+    return runs
+
+
+async def _collection(app: FastAPI, admin: str, enroll: bytes) -> str:
+    """A collection with one identity enrolled (through the real face_pipeline); returns its key."""
+    async def post(path: str, body: bytes, content_type: str, query: bytes = b"") -> dict[str, Any]:
+        answer = await asgi_call(app, "POST", path, body, content_type, admin, query)
+        if answer.status not in (200, 201):
+            raise RuntimeError(f"{path} answered {answer.status}: {answer.body[:300]!r}")
+        result: dict[str, Any] = json.loads(answer.body)
+        return result
+
+    await post("/v1/collections", json.dumps({"name": COLLECTION}).encode(), "application/json")
+    created = await post(f"/v1/collections/{COLLECTION}/keys", b'{"label": "bench"}', "application/json")
+    body, content_type = multipart("images", ENROLLED, enroll)
+    await post(f"/v1/collections/{COLLECTION}/identities/obama/faces", body, content_type, b"create=true")
+    return str(created["key"])
+
+
+IDENTIFY = "identify through the gateway's ASGI app, face_pipeline's answer recorded"
+OURS = "gRPC face_pipeline call: the gateway's client (facecore.client)"
+TRITONCLIENT = "gRPC face_pipeline call: tritonclient's aio infer, InferInput / InferResult"
+
+
+def report(runs: Runs, command: str, concurrency: int) -> str:
+    rows = [[name, fmt(runs.median(name), 3), ", ".join(fmt(v, 3) for v in runs.cpu_ms[name])]
+            for name in (IDENTIFY, OURS, TRITONCLIENT) if name in runs.cpu_ms]
+    grpc = OURS in runs.cpu_ms
+    saving = runs.median(TRITONCLIENT) - runs.median(OURS) if grpc else 0.0
+    parts = [
+        "## The gateway's own CPU per request (`bench/gateway.py`)",
+        f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \n"
+        f"Machine: {machine_description(serving=True)}",
+        f"Photo {PROBE} (1 face), a collection holding {ENROLLED}, concurrency {concurrency}; CPU of the "
+        "measuring process per request, median over rounds (each round's value after it).",
+        markdown_table(["measured", "CPU ms per request", "rounds"], rows),
+    ]
+    if grpc:
+        parts.append(f"The gateway's client spends {fmt(saving, 3)} ms less CPU per call than tritonclient's "
+                     "wrappers around the same messages (medians).")
+    parts.append("The identify row and the gateway's client together are the gateway's CPU per identify less "
+                 "uvicorn's HTTP and socket work, which `python -m bench` includes.")
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=1000, help="requests per round and variant "
+                        "(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=4, help="(default: %(default)s)")
+    parser.add_argument("--parts", nargs="+", choices=["identify", "grpc"], default=["identify", "grpc"],
+                        help="what to measure (default: both)")
+    parser.add_argument("--concurrency", type=int, default=8, help="(default: %(default)s)")
+    parser.add_argument("--triton-url", help="a running Triton's gRPC address serving the model repository "
+                        "(default: the bundled tritonserver, started for the run)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "README.md")
+    args = parser.parse_args(argv)
+    if args.requests < args.concurrency or args.rounds < 1:
+        parser.error("--requests must be at least --concurrency, --rounds at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with triton_url(args.triton_url) as url:
+        runs = uvloop.run(measure(url, args.requests, args.rounds, args.concurrency, args.parts))
+    command = "python -m bench.gateway " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = report(runs, command, args.concurrency)
+    print(text)
+    write_section(args.out, "bench.gateway", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
