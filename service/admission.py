@@ -8,10 +8,10 @@ and the requests already admitted keep their latency. Triton's own queue is boun
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
-from fastapi import Depends, Request
+from fastapi import Request
 
 from service.errors import Overloaded
 
@@ -33,14 +33,19 @@ class Admission:
     def leave(self) -> None:
         self.in_flight -= 1
 
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """One admitted request for the block (``service.deps.admitted`` holds it for the request)."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
 
 async def admit(request: Request) -> AsyncIterator[None]:
+    """Admission alone, for the compatible APIs' routes (their keys are checked inside the route);
+    the native recognition routes are admitted by ``service.deps.admitted`` with their key."""
     admission: Admission = request.app.state.admission
-    admission.enter()
-    try:
+    with admission.slot():
         yield
-    finally:
-        admission.leave()
-
-
-AdmitDep = Annotated[None, Depends(admit)]

@@ -1,8 +1,17 @@
-"""Dependency aliases: the routes ask for what they need; the lifespan put it on ``app.state``."""
+"""Dependency aliases: the routes ask for what they need; the lifespan put it on ``app.state``.
+
+Each dependency FastAPI solves costs CPU on every request (about 60 us on the project's 2-core machines:
+FastAPI 0.16x classifies and caches every node of the tree per request), so the recognition routes, which
+nearly every request takes, ask for one: ``AdmittedDep`` / ``AdmittedCollectionDep`` check the key (and
+the collection), admit the request under the in-flight limit and hand over the use cases and the
+settings: eleven nodes became five on identify (``python -m bench.gateway`` measures the gateway's own
+CPU per identify).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Query, Request, Security
@@ -13,6 +22,7 @@ from facecore.settings import GatewaySettings
 from gallery.gallery import Gallery
 from gallery.store import GalleryStore
 from recognition.usecases import Recognition
+from service.admission import Admission
 from service.auth import KeyStore, Principal
 from service.errors import ApiError, Forbidden, Unauthorized
 
@@ -63,7 +73,7 @@ async def lookup_key(keys: KeyStore, presented: str) -> Principal | None:
 
 
 async def principal(
-    keys: KeysDep,
+    request: Request,
     header: Annotated[str | None, Security(_api_key)] = None,
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None,
 ) -> Principal:
@@ -71,7 +81,7 @@ async def principal(
     presented = header or (bearer.credentials if bearer else None)
     if not presented:
         raise Unauthorized("an API key is required (X-API-Key header)")
-    found = await lookup_key(keys, presented)
+    found = await lookup_key(request.app.state.keys, presented)
     if found is None:
         raise Unauthorized("the API key is not valid")
     return found
@@ -97,11 +107,44 @@ AdminDep = Annotated[Principal, Depends(admin)]
 CollectionAccessDep = Annotated[Principal, Depends(collection_access)]
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A recognition request with a valid key, inside the in-flight limit, and what its route needs."""
+
+    caller: Principal
+    service: Recognition
+    settings: GatewaySettings
+
+
+async def admitted(request: Request, caller: CallerDep) -> AsyncIterator[Admitted]:
+    """Any valid key (401 without one), then admission (503 ``overloaded``)."""
+    state = request.app.state
+    admission: Admission = state.admission
+    with admission.slot():
+        yield Admitted(caller, state.faces, state.settings)
+
+
+async def admitted_collection(request: Request, collection: str, caller: CallerDep
+                              ) -> AsyncIterator[Admitted]:
+    """The admin or a key of this collection (401, 403 for another collection's key), then admission."""
+    if not caller.can_access(collection):
+        raise Forbidden("this key belongs to another collection")
+    state = request.app.state
+    admission: Admission = state.admission
+    with admission.slot():
+        yield Admitted(caller, state.faces, state.settings)
+
+
+AdmittedDep = Annotated[Admitted, Depends(admitted)]
+AdmittedCollectionDep = Annotated[Admitted, Depends(admitted_collection)]
+
+
 K_DESCRIPTION = "candidates per face, at most the max_k setting (FACEREC_LIMITS__MAX_K, default 100)"
 
 
-async def top_k(settings: SettingsDep, k: Annotated[int, Query(ge=1, description=K_DESCRIPTION)] = 5) -> int:
+async def top_k(request: Request, k: Annotated[int, Query(ge=1, description=K_DESCRIPTION)] = 5) -> int:
     """``k`` within the configured limit (a setting, so not a static bound of the schema)."""
+    settings: GatewaySettings = request.app.state.settings
     limit = settings.limits.max_k
     if k > limit:
         error = {"loc": ["query", "k"], "msg": f"Input should be less than or equal to {limit}",

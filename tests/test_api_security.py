@@ -15,7 +15,7 @@ import fastapi.routing
 import pytest
 from fastapi.dependencies.models import Dependant
 
-from service.deps import admin, collection_access, principal
+from service.deps import admin, admitted_collection, collection_access, principal
 
 if TYPE_CHECKING:
     from tests.api_fixtures import Api
@@ -61,7 +61,7 @@ def _calls(dependant: Dependant) -> Iterator[Callable[..., Any]]:
 def _access(calls: set[Callable[..., Any]]) -> str:
     if admin in calls:
         return "admin"
-    if collection_access in calls:
+    if collection_access in calls or admitted_collection in calls:
         return "collection"
     return "any" if principal in calls else "public"
 

@@ -10,12 +10,11 @@ from fastapi import APIRouter, Depends, Path, Query, Request, status
 
 from recognition.enrollment import EnrollmentRules, FaceChoice
 from service import schemas
-from service.admission import AdmitDep
 from service.deps import (
+    AdmittedCollectionDep,
     CollectionAccessDep,
     GalleryDep,
     ServiceDep,
-    SettingsDep,
     StoreDep,
     TopKDep,
     known_query,
@@ -97,12 +96,12 @@ BoxQuery = Annotated[str | None, Query(description="x1,y1,x2,y2 of the face to e
                          "not enrolled is listed in `ignored` with its reason. Faces that fail the quality "
                          "gate are refused with 422 `low_quality` and their reasons. With `create=true` the "
                          "identity is created when missing. Unknown parameters are refused with 422.")
-async def enroll(collection: str, external_id: str, request: Request, _: CollectionAccessDep,
-                 __: AdmitDep, service: ServiceDep, settings: SettingsDep,
+async def enroll(collection: str, external_id: str, request: Request, call: AdmittedCollectionDep,
                  create: Annotated[bool, Query(description="create the identity when missing")] = False,
                  name: Annotated[str, Query(max_length=256, description="name when creating")] = "",
                  face: FaceQuery = None, box: BoxQuery = None,
                  ) -> schemas.EnrollResponse:
+    service, settings = call.service, call.settings
     limits = settings.limits
     uploaded = await read_images(request, ("images", "image"), limits.max_pixels, limits.max_batch_images,
                                  schemas.EnrollJson)

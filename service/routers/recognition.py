@@ -10,8 +10,7 @@ from fastapi import APIRouter, Query, Request
 from facecore.client import PipelineError
 from recognition.errors import Refused
 from service import schemas
-from service.admission import AdmitDep
-from service.deps import CallerDep, CollectionAccessDep, ServiceDep, SettingsDep, TopKDep
+from service.deps import AdmittedCollectionDep, AdmittedDep, TopKDep
 from service.errors import ApiError, error_body
 from service.images import check_image, read_images
 from service.openapi import image_body
@@ -30,28 +29,24 @@ Threshold = Annotated[float | None, Query(ge=-1, le=1,
 
 @router.post("/v1/detect", response_model=schemas.DetectResponse, openapi_extra=ONE_IMAGE,
              summary="Every face with box, score, landmarks and quality measures")
-async def detect(request: Request, _: CallerDep, __: AdmitDep, service: ServiceDep, settings: SettingsDep
-                 ) -> schemas.DetectResponse:
-    uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
-    return detect_response(await service.detect(uploaded.images[0]))
+async def detect(request: Request, call: AdmittedDep) -> schemas.DetectResponse:
+    uploaded = await read_images(request, ("image",), call.settings.limits.max_pixels, 1, schemas.ImageJson)
+    return detect_response(await call.service.detect(uploaded.images[0]))
 
 
 @router.post("/v1/collections/{collection}/identify", response_model=schemas.IdentifyResponse,
              openapi_extra=ONE_IMAGE, summary="1:N: who is each face in the image (or unknown)")
-async def identify(collection: str, request: Request, _: CollectionAccessDep, __: AdmitDep,
-                   service: ServiceDep, settings: SettingsDep, k: TopKDep, threshold: Threshold = None
-                   ) -> schemas.IdentifyResponse:
-    uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
-    return identify_response(await service.identify(collection, uploaded.images[0], k, threshold))
+async def identify(collection: str, request: Request, call: AdmittedCollectionDep, k: TopKDep,
+                   threshold: Threshold = None) -> schemas.IdentifyResponse:
+    uploaded = await read_images(request, ("image",), call.settings.limits.max_pixels, 1, schemas.ImageJson)
+    return identify_response(await call.service.identify(collection, uploaded.images[0], k, threshold))
 
 
 @router.post("/v1/collections/{collection}/identify/batch", response_model=schemas.BatchIdentifyResponse,
              openapi_extra=BATCH, summary="1:N for several images; each image succeeds or fails alone")
-async def identify_batch(collection: str, request: Request, _: CollectionAccessDep, __: AdmitDep,
-                         service: ServiceDep,
-                         settings: SettingsDep, k: TopKDep, threshold: Threshold = None
-                         ) -> schemas.BatchIdentifyResponse:
-    limits = settings.limits
+async def identify_batch(collection: str, request: Request, call: AdmittedCollectionDep, k: TopKDep,
+                         threshold: Threshold = None) -> schemas.BatchIdentifyResponse:
+    limits, service = call.settings.limits, call.service
     uploaded = await read_images_lenient(request, limits.max_pixels, limits.max_batch_images)
 
     async def one(index: int, data: bytes | ApiError) -> schemas.BatchItem:
@@ -85,21 +80,20 @@ async def read_images_lenient(request: Request, max_pixels: int, max_images: int
 
 @router.post("/v1/verify", response_model=schemas.VerifyResponse, openapi_extra=PAIR,
              summary="1:1: are the (largest) faces of two images the same person")
-async def verify(request: Request, _: CallerDep, __: AdmitDep, service: ServiceDep, settings: SettingsDep,
-                 threshold: Threshold = None) -> schemas.VerifyResponse:
-    uploaded = await read_images(request, ("image_a", "image_b"), settings.limits.max_pixels, 2,
+async def verify(request: Request, call: AdmittedDep, threshold: Threshold = None) -> schemas.VerifyResponse:
+    uploaded = await read_images(request, ("image_a", "image_b"), call.settings.limits.max_pixels, 2,
                                  schemas.VerifyJson)
     if len(uploaded.images) != 2:
         raise ApiError("send exactly two images: image_a and image_b", code="missing_image")
-    return verify_response(await service.verify_images(uploaded.images[0], uploaded.images[1], threshold))
+    return verify_response(await call.service.verify_images(uploaded.images[0], uploaded.images[1],
+                                                            threshold))
 
 
 @router.post("/v1/collections/{collection}/identities/{external_id}/verify",
              response_model=schemas.VerifyResponse, openapi_extra=ONE_IMAGE,
              summary="1:1: is the (largest) face of the image this identity")
-async def verify_identity(collection: str, external_id: str, request: Request, _: CollectionAccessDep,
-                          __: AdmitDep, service: ServiceDep, settings: SettingsDep,
+async def verify_identity(collection: str, external_id: str, request: Request, call: AdmittedCollectionDep,
                           threshold: Threshold = None) -> schemas.VerifyResponse:
-    uploaded = await read_images(request, ("image",), settings.limits.max_pixels, 1, schemas.ImageJson)
-    return verify_response(await service.verify_identity(collection, external_id, uploaded.images[0],
+    uploaded = await read_images(request, ("image",), call.settings.limits.max_pixels, 1, schemas.ImageJson)
+    return verify_response(await call.service.verify_identity(collection, external_id, uploaded.images[0],
                                                          threshold))
