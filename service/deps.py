@@ -10,7 +10,8 @@ CPU per identify).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -116,23 +117,26 @@ class Admitted:
     settings: GatewaySettings
 
 
-async def admitted(request: Request, caller: CallerDep) -> AsyncIterator[Admitted]:
-    """Any valid key (401 without one), then admission (503 ``overloaded``)."""
+@contextmanager
+def _admission(request: Request, caller: Principal) -> Iterator[Admitted]:
     state = request.app.state
     admission: Admission = state.admission
-    with admission.slot():
+    with admission.slot():  # 503 overloaded beyond the limit
         yield Admitted(caller, state.faces, state.settings)
+
+
+async def admitted(request: Request, caller: CallerDep) -> AsyncIterator[Admitted]:
+    """Any valid key (401 without one), then admission (503 ``overloaded``)."""
+    with _admission(request, caller) as call:
+        yield call
 
 
 async def admitted_collection(request: Request, collection: str, caller: CallerDep
                               ) -> AsyncIterator[Admitted]:
-    """The admin or a key of this collection (401, 403 for another collection's key), then admission."""
-    if not caller.can_access(collection):
-        raise Forbidden("this key belongs to another collection")
-    state = request.app.state
-    admission: Admission = state.admission
-    with admission.slot():
-        yield Admitted(caller, state.faces, state.settings)
+    """The admin or a key of this collection (401; 403 for another collection's key), then admission."""
+    await collection_access(collection, caller)
+    with _admission(request, caller) as call:
+        yield call
 
 
 AdmittedDep = Annotated[Admitted, Depends(admitted)]

@@ -346,3 +346,26 @@ def test_a_full_triton_queue_is_overloaded_not_unavailable() -> None:
     assert isinstance(full, Overloaded) and full.code == "overloaded" and full.retry_after_s == 1
     down = pipeline_error(PipelineError("failed to connect to all addresses", "StatusCode.UNAVAILABLE"))
     assert isinstance(down, Unavailable) and down.code == "triton_unavailable"
+
+
+def test_a_refused_or_failed_recognition_request_gives_its_admission_back(start_api: StartApi) -> None:
+    """With room for one request, requests that fail inside the route (an unreadable image, an unknown
+    collection, k above max_k, a 403 key) each leave the limit as they found it: the next one is admitted."""
+    api = start_api(limits={"max_in_flight": 1, "max_k": 10})
+    api.create_collection("c")
+    api.create_collection("d")
+    other = api.create_key("d")["key"]
+    failures = [
+        (api.post("/v1/collections/c/identify", files={"image": ("x.jpg", b"\xff\xd8\xff" + b"\x00" * 64,
+                                                                 "image/jpeg")}), 400),
+        (api.identify("missing", "obama.jpg"), 404),
+        (api.identify("c", "obama.jpg", params={"k": 11}), 422),
+        (api.identify("c", "obama.jpg", key=other), 403),
+        (api.post("/v1/verify", files=api.files("image_a", "obama.jpg")), 400),
+    ]
+    for response, status in failures:
+        assert response.status_code == status, response.text
+        assert api.app.state.admission.in_flight == 0
+    api.ok(api.identify("c", "obama.jpg"))
+    api.ok(api.post("/v1/detect", files=api.files("image", "obama.jpg")))
+    assert api.app.state.admission.in_flight == 0 and api.app.state.admission.refused == 0
