@@ -44,17 +44,17 @@ from fastapi import FastAPI
 from starlette.types import Message
 
 from bench.core.inputs import ROOT, load_photos
+from bench.core.load import multipart_body
 from bench.core.reporting import fmt, machine_description, markdown_table, write_section
 from bench.core.triton import triton_url
+from bench.stack import COLLECTION, ENROLLED, MAX_FACES
 from facecore.client import AsyncPipelineClient
 from facecore.contract import OUTPUT_NAMES, PIPELINE_MODEL, Faces, Input
 from facecore.settings import GatewaySettings
 from facecore.spec import ModelSpec
 from service.app import create_app
 
-ENROLLED, PROBE = "obama2.jpg", "obama.jpg"
-COLLECTION = "bench"
-MAX_FACES = 100  # what the gateway asks face_pipeline for (FACEREC_LIMITS__MAX_FACES default)
+PROBE = "obama.jpg"
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,6 @@ async def asgi_call(app: FastAPI, method: str, path: str, body: bytes = b"", con
 
     await app(scope, receive, send)
     return answer
-
-
-def multipart(field_name: str, filename: str, data: bytes) -> tuple[bytes, str]:
-    boundary = secrets.token_hex(16)
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="{field_name}"; filename="{filename}"'
-            f'\r\nContent-Type: image/jpeg\r\n\r\n').encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    return body, f"multipart/form-data; boundary={boundary}"
 
 
 class RecordedPipeline:
@@ -154,7 +147,7 @@ async def measure(url: str, requests: int, rounds: int, concurrency: int, parts:
             reference = aioclient.InferenceServerClient(url)
             recorded = await client.infer(photos[PROBE], max_faces=MAX_FACES)
             app.state.faces.pipeline = RecordedPipeline(recorded, await client.embedder())
-            body, content_type = multipart("image", PROBE, photos[PROBE])
+            body, content_type = multipart_body("image", PROBE, photos[PROBE])
             path = f"/v1/collections/{COLLECTION}/identify"
 
             async def identify() -> None:
@@ -199,7 +192,7 @@ async def _collection(app: FastAPI, admin: str, enroll: bytes) -> str:
 
     await post("/v1/collections", json.dumps({"name": COLLECTION}).encode(), "application/json")
     created = await post(f"/v1/collections/{COLLECTION}/keys", b'{"label": "bench"}', "application/json")
-    body, content_type = multipart("images", ENROLLED, enroll)
+    body, content_type = multipart_body("images", ENROLLED, enroll)
     await post(f"/v1/collections/{COLLECTION}/identities/obama/faces", body, content_type, b"create=true")
     return str(created["key"])
 

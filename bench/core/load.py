@@ -76,6 +76,14 @@ def closed_loop(send: Callable[[], object], concurrency: int, seconds: float, wa
     return LoadResult(concurrency, int(flat.size), sum(errors), elapsed, flat)
 
 
+def multipart_body(field_name: str, filename: str, data: bytes) -> tuple[bytes, str]:
+    """One JPEG as a multipart/form-data body, and the Content-Type header that goes with it."""
+    boundary = secrets.token_hex(16)
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="{field_name}"; filename="{filename}"'
+            f'\r\nContent-Type: image/jpeg\r\n\r\n').encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
 class MultipartSender:
     """Callable for ``closed_loop``: POSTs one image as a multipart upload over one keep-alive
     ``http.client`` connection per thread. The body is encoded once: the load generator shares the
@@ -92,11 +100,8 @@ class MultipartSender:
             raise ValueError(f"{url}: an http:// URL is expected")
         self.url, self.host, self.port = url, parts.hostname, parts.port or 80
         self.path = parts.path + (f"?{parts.query}" if parts.query else "")
-        boundary = secrets.token_hex(16)
-        self.body = (f'--{boundary}\r\nContent-Disposition: form-data; name="{field_name}"; '
-                     f'filename="{filename}"\r\nContent-Type: image/jpeg\r\n\r\n').encode() + data \
-            + f"\r\n--{boundary}--\r\n".encode()
-        self.headers = {**(headers or {}), "Content-Type": f"multipart/form-data; boundary={boundary}",
+        self.body, content_type = multipart_body(field_name, filename, data)
+        self.headers = {**(headers or {}), "Content-Type": content_type,
                         "Content-Length": str(len(self.body))}
         self._local = threading.local()
         self._connections: list[http.client.HTTPConnection] = []
