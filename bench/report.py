@@ -154,6 +154,7 @@ def _memory_section(results: Results) -> list[str]:
     parts = [say(text.MEMORY_HEADING, c=memory.concurrency, minutes=memory.minutes),
              say(text.MEMORY, interval=memory.interval_s, warmup=memory.warmup_s, samples=len(memory.times_s),
                  requests=memory.load.requests, throughput=memory.load.throughput, errors=memory.load.errors),
+             *([say(text.MEMORY_SHAPES, shapes=memory.shapes)] if memory.shapes > 1 else []),
              stack_part.memory_table(memory),
              say(text.MEMORY_BREAKDOWN, processes=", ".join(say(text.PROCESS_MIB, name=k, mib=v)
                                                            for k, v in biggest))]

@@ -134,7 +134,9 @@ def _triton_rss(results: Results) -> Target:
             if r.concurrency == HIGH_CONCURRENCY and "triton" in r.rss_mib}
     memory = results.memory
     if memory and memory.concurrency == HIGH_CONCURRENCY and memory.rss_mib.get("triton"):
-        seen[say(text.MEMORY_RUN, minutes=memory.minutes)] = max(memory.rss_mib["triton"])
+        run = say(text.MEMORY_RUN_SHAPES if memory.shapes > 1 else text.MEMORY_RUN, minutes=memory.minutes,
+                  shapes=memory.shapes)
+        seen[run] = max(memory.rss_mib["triton"])
     if not seen:
         return not_measured(name, results, ("stack", "memory"))
     where, value = max(seen.items(), key=lambda kv: kv[1])

@@ -56,6 +56,7 @@ TARGET_TRITON_RSS = ("Triton (server + Python-backend stubs) resident memory (PS
                      "concurrency {c}")
 MEASURED_TRITON_RSS = "{mib:.0f} MiB at most ({where})"
 MEMORY_RUN = "memory run, {minutes:g} min"
+MEMORY_RUN_SHAPES = "memory run, {minutes:g} min, the photo at {shapes} aspect ratios"
 TARGET_GATEWAY_CPU = "gateway CPU per identify at concurrency {c} <= {limit:g} ms ({photo})"
 MEASURED_GATEWAY_CPU = "{ms:.1f} ms (gateway process CPU seconds / {requests} requests)"
 TARGET_OUTSIDE_TRITON = ("face_pipeline time outside the two models <= 3 ms per 1-face image (Triton "
@@ -189,6 +190,10 @@ MEMORY = ("Resident memory sampled every {interval:.1f} s after a {warmup:.0f} s
           "memory figure is PSS (proportional set size): a page that n processes share counts 1/n in each, "
           "so the Triton figure, the sum over the server and its Python-backend stub processes, counts the "
           "pages they share (the shared-memory regions tensors cross, the libraries) once.")
+MEMORY_SHAPES = ("The requests sent the photo resized to {shapes} aspect ratios in turn (every "
+                 "detector input with its longer side at 640, the shorter 64 to 640 in steps of 32, both "
+                 "orientations): what the runtime keeps per input shape is in the figures, as it would be "
+                 "with users' photos.")
 MEMORY_SUMMED_RSS = ("Summed RSS at the end, which counts those shared pages once per process: {figures}.")
 MEMORY_BREAKDOWN = "Triton's processes at the end: {processes}"
 GALLERY_HEADING = "### Gallery search scaling (`bench/gallery.py`; details in [gallery.md](gallery.md))"

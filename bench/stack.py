@@ -16,7 +16,10 @@ at each concurrency: throughput, p50/p90/p99 latency, CPU per request of the loa
 the gateway and the Triton process tree (server + Python-backend stubs), their resident memory, and
 Triton's statistics per model (average batch, queue vs compute time, time outside the two networks).
 The memory run keeps REST identify at concurrency 16 for ``--memory-minutes`` and samples the resident
-memory of the gateway and of the Triton process tree every few seconds.
+memory of the gateway and of the Triton process tree every few seconds. Its requests send the photo
+resized to 37 aspect ratios in turn (``shape_variants``): the detector's input follows each image's
+aspect ratio, and what a network runtime keeps per input shape must show in the figure, as it would with
+real users' photos.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cv2
 import httpx
 import numpy as np
 
@@ -188,6 +192,8 @@ class MemoryRun:
     breakdown_mib: dict[str, float] = field(default_factory=dict)  # the Triton tree's processes at the end
     #: summed RSS per watched tree at the end, for comparison (shared pages counted once per process)
     summed_rss_mib: dict[str, float] = field(default_factory=dict)
+    #: how many sizes of the photo the requests sent in turn (1: the photo as it is)
+    shapes: int = 1
 
     def flatness(self, name: str) -> dict[str, float]:
         """Start, end, min, max (MiB), the largest deviation from the start and the end's (percent), and the
@@ -205,14 +211,30 @@ class MemoryRun:
                 "slope_mib_per_min": slope}
 
 
+#: The sizes ``shape_variants`` resizes a photo to: every detector input shape with the longer side at
+#: 640 (both orientations, the shorter side 64 to 640 in steps of 32).
+VARIANT_SIZES = tuple([(640, 32 * k) for k in range(2, 21)] + [(32 * k, 640) for k in range(2, 20)])
+
+
+def shape_variants(data: bytes, sizes: Sequence[tuple[int, int]] = VARIANT_SIZES) -> list[bytes]:
+    """The photo resized (stretched) to each (width, height), as JPEGs: one detector input shape each."""
+    image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    if image is None:
+        raise ValueError("not an image")
+    return [cv2.imencode(".jpg", cv2.resize(image, size, interpolation=cv2.INTER_AREA),
+                         [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes() for size in sizes]
+
+
 def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency: int = 16,
-               interval_s: float | None = None) -> MemoryRun:
+               interval_s: float | None = None, shapes: bool = True) -> MemoryRun:
     """REST identify at ``concurrency`` for ``minutes`` while sampling resident memory, after a warm-up at the
     same load (10 % of the run, at most 30 s) that is not sampled: buffers for the batch shapes this load
-    produces are allocated then, not counted as growth."""
+    produces are allocated then, not counted as growth. With ``shapes``, the requests send the photo's
+    ``shape_variants`` in turn (the warm-up sends each of them several times)."""
     interval = interval_s or min(5.0, max(0.5, minutes * 60 / 120))
     warmup = min(30.0, minutes * 6)
-    sender = identify_sender(stack, name, data)
+    images = shape_variants(data) if shapes else [data]
+    sender = MultipartSender(stack.identify_url, "image", name, images, {"X-API-Key": stack.key})
     try:
         closed_loop(sender, concurrency, warmup)
         with RssSampler(stack.watched(), interval) as sampler:
@@ -225,7 +247,7 @@ def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency
     summed_rss = {w.name: rss_bytes(w.pids()) / MIB for w in stack.watched()}
     return MemoryRun(minutes, concurrency, interval, [t for t, _ in sampler.samples],
                      {w.name: [s[w.name] / MIB for _, s in sampler.samples] for w in stack.watched()}, row,
-                     warmup, breakdown, summed_rss)
+                     warmup, breakdown, summed_rss, len(images))
 
 
 # --- report -----------------------------------------------------------------------------------------

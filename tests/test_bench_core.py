@@ -194,6 +194,22 @@ def test_the_load_sender_posts_one_multipart_image_on_a_kept_alive_connection(re
     assert parts is not None and [(p.name, p.filename, p.data) for p in parts] == [("image", "a.jpg", data)]
 
 
+
+def test_the_load_sender_sends_several_images_in_turn(recorder: str) -> None:
+    images = [b"first", b"second", b"third"]
+    sender = MultipartSender(f"{recorder}/up", "image", "a.jpg", images)
+    for _ in range(4):
+        assert sender() == b"ok"
+    sender.close()
+    sent = []
+    for _, headers, body, _ in _Recorder.seen:
+        parts = split_form(body, headers["Content-Type"], 10)
+        assert parts is not None
+        sent.append(parts[0].data)
+    assert sent == [b"first", b"second", b"third", b"first"]
+    with pytest.raises(ValueError, match="no image"):
+        MultipartSender(f"{recorder}/up", "image", "a.jpg", [])
+
 def test_the_load_sender_reconnects_once_and_raises_on_an_error_status(recorder: str) -> None:
     closing = MultipartSender(f"{recorder}/close", "image", "a.jpg", b"jpeg")
     for _ in range(3):  # the server closes after every answer: each later call reconnects once

@@ -14,6 +14,7 @@ import struct
 from contextlib import ExitStack
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ from bench import ceiling, naive, perf_analyzer, plain, report, report_text
 from bench.core.inputs import served_models
 from bench.core.load import LoadRow
 from bench.core.triton import statistics_delta
-from bench.stack import MemoryRun
+from bench.stack import VARIANT_SIZES, MemoryRun, shape_variants
 from export.profiles import Profile, ProfileTuning
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.processing import letterbox
@@ -80,6 +81,16 @@ def test_stage_split_times_the_real_pipeline(photos: dict[str, Path], cpu_reposi
     embedder = OnnxEmbedder(models.settings.embedder, create_session(models.embedder_file, 1))
     (result,) = ceiling.process([data], models.settings, detector, embedder)
     np.testing.assert_allclose(np.linalg.norm(result.embeddings, axis=1), 1.0, rtol=1e-5)
+
+
+def test_shape_variants_give_every_detector_input_shape(photos: dict[str, Path]) -> None:
+    """The memory run's images: one JPEG per size, each a different detector input (longer side 640)."""
+    variants = shape_variants(photos["obama.jpg"].read_bytes())
+    decoded = [cv2.imdecode(np.frombuffer(v, np.uint8), cv2.IMREAD_COLOR) for v in variants]
+    assert [(d.shape[1], d.shape[0]) for d in decoded] == list(VARIANT_SIZES)
+    assert len(set(VARIANT_SIZES)) == len(VARIANT_SIZES) == 37
+    with pytest.raises(ValueError, match="not an image"):
+        shape_variants(b"nothing")
 
 
 def test_memory_flatness_and_quick_plan() -> None:
@@ -343,6 +354,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert set(grpc["rss_mib"]) == {"gateway", "triton"}
     memory = results["memory"]
     assert len(memory["times_s"]) >= 3 and set(memory["rss_mib"]) == {"gateway", "triton"}
+    assert memory["shapes"] == len(VARIANT_SIZES) and memory["load"]["errors"] == 0
 
     (pa,) = results["perf_analyzer"]
     assert pa["rows"] or pa["error"]  # measured, or the reason it could not be

@@ -100,6 +100,10 @@ def test_load_memory_and_gateway_targets() -> None:
     flat = found["Triton (server + Python-backend stubs) resident memory flat (+-10 %) across the memory run "
                  "(REST identify, concurrency 16, 0.5 min)"]
     assert flat.status == "falls short"  # 1400 -> 1600 MiB is 14 %
+    memory.shapes = 37
+    found = {t.name: t for t in report.targets(_results(stack=stack, memory=memory))}
+    rss = found["Triton (server + Python-backend stubs) resident memory (PSS) <= 1.5 GiB at concurrency 16"]
+    assert "(memory run, 0.5 min, the photo at 37 aspect ratios)" in rss.measured
 
 
 def _face(box: tuple[float, float, float, float], embedding: list[float]) -> dict[str, object]:

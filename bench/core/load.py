@@ -5,6 +5,7 @@ one measured row with the CPU every watched process spent per request and Triton
 from __future__ import annotations
 
 import http.client
+import itertools
 import secrets
 import threading
 import time
@@ -85,24 +86,30 @@ def multipart_body(field_name: str, filename: str, data: bytes) -> tuple[bytes, 
 
 
 class MultipartSender:
-    """Callable for ``closed_loop``: POSTs one image as a multipart upload over one keep-alive
-    ``http.client`` connection per thread. The body is encoded once: the load generator shares the
-    machine's cores with what it measures, so it spends as little CPU per request as it can (0.5-0.7 ms
-    against 2.1-3.5 ms with an ``httpx`` client building and parsing each request, measured side by side
-    on a 2-core EPYC) and every target is measured with the same sender. A response other than 200
-    raises (``closed_loop`` counts it as an error); a kept-alive connection the server has closed is
-    opened again once."""
+    """Callable for ``closed_loop``: POSTs one image (or several, one per request in turn) as a
+    multipart upload over one keep-alive ``http.client`` connection per thread. The bodies are encoded
+    once: the load generator shares the machine's cores with what it measures, so it spends as little CPU
+    per request as it can (0.5-0.7 ms against 2.1-3.5 ms with an ``httpx`` client building and parsing
+    each request, measured side by side on a 2-core EPYC) and every target is measured with the same
+    sender. A response other than 200 raises (``closed_loop`` counts it as an error); a kept-alive
+    connection the server has closed is opened again once."""
 
-    def __init__(self, url: str, field_name: str, filename: str, data: bytes,
+    def __init__(self, url: str, field_name: str, filename: str, data: bytes | Sequence[bytes],
                  headers: Mapping[str, str] | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"{url}: an http:// URL is expected")
         self.url, self.host, self.port = url, parts.hostname, parts.port or 80
         self.path = parts.path + (f"?{parts.query}" if parts.query else "")
-        self.body, content_type = multipart_body(field_name, filename, data)
-        self.headers = {**(headers or {}), "Content-Type": content_type,
-                        "Content-Length": str(len(self.body))}
+        self.requests: list[tuple[bytes, dict[str, str]]] = []
+        for image in [data] if isinstance(data, bytes) else data:
+            body, content_type = multipart_body(field_name, filename, image)
+            self.requests.append((body, {**(headers or {}), "Content-Type": content_type,
+                                         "Content-Length": str(len(body))}))
+        if not self.requests:
+            raise ValueError("no image to send")
+        self.body, self.headers = self.requests[0]
+        self._turn = itertools.count()  # several images: each request sends the next one
         self._local = threading.local()
         self._connections: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -127,7 +134,9 @@ class MultipartSender:
     def __call__(self) -> bytes:
         connection, reused = self._connection()
         try:
-            connection.request("POST", self.path, self.body, self.headers)
+            body, headers = (self.requests[next(self._turn) % len(self.requests)] if len(self.requests) > 1
+                             else (self.body, self.headers))
+            connection.request("POST", self.path, body, headers)
             response = connection.getresponse()
             content = response.read()
         except (http.client.RemoteDisconnected, ConnectionError) as exc:
