@@ -16,13 +16,16 @@ In this order:
    every concurrency: each naive ``/embed``, REST ``identify``, gRPC ``face_pipeline``
    (the servers not under load sit idle), with Triton's statistics and the CPU and memory of every
    process;
-3. perf_analyzer 2.51 against face_pipeline with real JPEG data (``bench/perf_analyzer.py``);
-4. enrollment throughput (``bench/enroll.py``) against the same Triton;
-5. the memory run: REST identify at concurrency 16 for ``--memory-minutes``, resident memory sampled;
-6. the ceiling's second pass, alone again: the served and ONNX Runtime rows' stage split and layouts
+3. latency at concurrency 1, paired (``bench/latency.py``): the ceiling's single image in this process,
+   gRPC face_pipeline and REST identify, one call of each in turn for ``--latency-rounds`` rounds, so the
+   machine's drift falls on all three alike (the p50 latency target's figures);
+4. perf_analyzer 2.51 against face_pipeline with real JPEG data (``bench/perf_analyzer.py``);
+5. enrollment throughput (``bench/enroll.py``) against the same Triton;
+6. the memory run: REST identify at concurrency 16 for ``--memory-minutes``, resident memory sampled;
+7. the ceiling's second pass, alone again: the served and ONNX Runtime rows' stage split and layouts
    measured once more, each keeping the better of its two passes (the machine's speed drifts; noise only
    slows a measurement down);
-7. gallery search scaling (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
+8. gallery search scaling (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
 
 Then the ratios, the targets table and the plots go to ``<out>/README.md`` (between marker comments),
 ``<out>/*.png`` and ``<out>/results.json``; the gallery and enrollment sections to ``<out>/gallery.md``.
@@ -42,7 +45,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import ceiling, naive, perf_analyzer, plain, report, stack
+from bench import ceiling, latency, naive, perf_analyzer, plain, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
 from bench.core.reporting import machine_description
 from bench.naive_agreement import describe as describe_agreement
@@ -50,7 +53,7 @@ from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
 
-PARTS = ("ceiling", "naive", "stack", "perf_analyzer", "enroll", "memory", "gallery")
+PARTS = ("ceiling", "naive", "stack", "latency", "perf_analyzer", "enroll", "memory", "gallery")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Plan:
     pa: perf_analyzer.PaOptions
     enroll_images: int
     enroll_repeats: int
+    latency_rounds: int
     gallery_args: tuple[str, ...]
     skip: frozenset[str] = field(default_factory=frozenset)
 
@@ -110,6 +114,7 @@ def plan(args: argparse.Namespace) -> Plan:
                                    max_trials=5 if quick else 8),
         enroll_images=args.enroll_images or (24 if quick else 100),
         enroll_repeats=args.enroll_repeats or (1 if quick else 3),
+        latency_rounds=args.latency_rounds or (30 if quick else latency.ROUNDS),
         gallery_args=gallery_args,
         skip=frozenset(args.skip),
     )
@@ -233,7 +238,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
         run_part(results, "ceiling", p.skip, do_ceiling)  # alone: it uses every core itself
         with ExitStack() as servers:
             running: stack.Stack | None = None
-            stack_parts = {"stack", "perf_analyzer", "enroll", "memory"} - p.skip
+            stack_parts = {"stack", "latency", "perf_analyzer", "enroll", "memory"} - p.skip
             if stack_parts:
                 try:
                     running = servers.enter_context(stack.running_stack(args.repository,
@@ -266,6 +271,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
             if running is not None:
                 stacked = running
 
+                def do_latency() -> None:
+                    threads = {c.photo: c.best_split.threads for c in results.ceiling
+                               if c.variant == "served" and c.splits}
+                    results.paired_latency = latency.measure(stacked, models, photos, threads,
+                                                             p.latency_rounds)
+
                 def do_pa() -> None:
                     results.perf_analyzer = perf_analyzer.measure(stacked.triton_grpc, first, p.pa)
 
@@ -276,6 +287,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                     name = p.photos[0]
                     results.memory = stack.memory_run(stacked, name, photos[name], p.memory_minutes)
 
+                run_part(results, "latency", p.skip, do_latency)
                 run_part(results, "perf_analyzer", p.skip, do_pa)
                 run_part(results, "enroll", p.skip, do_enroll)
                 if p.memory_minutes > 0:
@@ -320,6 +332,8 @@ def arguments() -> argparse.ArgumentParser:
                         help="perf_analyzer window (default: 4000; quick: 1000)")
     parser.add_argument("--enroll-images", type=int, help="bench.enroll images (default: 100; quick: 24)")
     parser.add_argument("--enroll-repeats", type=int, help="bench.enroll rounds (default: 3; quick: 1)")
+    parser.add_argument("--latency-rounds", type=int,
+                        help=f"paired latency rounds per photo (default: {latency.ROUNDS}; quick: 30)")
     parser.add_argument("--gallery-sizes", type=int, nargs="+",
                         help="bench.gallery sizes (instead of its quick sizes)")
     parser.add_argument("--gallery-dims", type=int, nargs="+",

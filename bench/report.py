@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from bench import ceiling as ceiling_part
+from bench import latency as latency_part
 from bench import naive as naive_part
 from bench import perf_analyzer as pa_part
 from bench import report_text as text
@@ -137,6 +138,10 @@ def _load_sections(results: Results) -> list[str]:
         parts += [text.STACK_HEADING, stack_part.load_table(results.stack),
                   text.STACK_CPU, stack_part.cpu_table(results.stack),
                   text.STACK_STATS, stack_part.stats_table(results.stack)]
+    if results.paired_latency:
+        parts += [text.LATENCY_HEADING,
+                  say(text.LATENCY, pause=results.paired_latency[0].pause_ms, warmup=latency_part.WARMUP),
+                  latency_part.table(results.paired_latency)]
     if results.perf_analyzer:
         first = results.perf_analyzer[0]
         parts += [text.PERF_ANALYZER_HEADING,

@@ -4,7 +4,7 @@ request. Reported, never asserted; the wording is in ``bench/report_text.py``.""
 
 from __future__ import annotations
 
-from math import nan
+from math import isnan, nan
 
 from bench import ceiling as ceiling_part
 from bench import report_text as text
@@ -34,42 +34,57 @@ GATEWAY_CPU_MS = 3.0  # gateway CPU per identify at concurrency 8
 
 
 def latency(results: Results) -> list[Target]:
+    """p50 at concurrency 1 over the ceiling's single image: from the paired rounds (``bench/latency.py``:
+    both measured in turn, so the machine's drift falls on both) when the run has them, else from the
+    closed-loop run at concurrency 1 and the ceiling part, measured minutes apart."""
     ceiling = served_ceiling(results, ONE_FACE)
+    paired = next((r for r in results.paired_latency if r.photo == ONE_FACE), None)
     out = []
     for target in (REST, GRPC):
         row = find(results.stack, target, ONE_FACE, 1)
         name = say(text.TARGET_LATENCY, target=target)
-        if not (row and ceiling):
-            out.append(not_measured(name, results, ("stack", "ceiling")))
+        if paired:
+            p50, single = paired.p50_ms(target), paired.ceiling_ms
+            measured = say(text.MEASURED_LATENCY_PAIRED, p50=p50, single=single, ratio=paired.ratio(target),
+                           rounds=paired.rounds, paired=paired.paired(target))
+            grpc_p50 = paired.p50_ms(GRPC)
+        elif row and ceiling:
+            p50, single = row.p50_ms, ceiling.single_image_ms
+            measured = say(text.MEASURED_LATENCY, p50=p50, single=single, ratio=p50 / single)
+            grpc = find(results.stack, GRPC, ONE_FACE, 1)
+            grpc_p50 = grpc.p50_ms if grpc else nan
+        else:
+            out.append(not_measured(name, results, ("latency", "stack", "ceiling")))
             continue
-        ratio = row.p50_ms / ceiling.single_image_ms
-        why = _latency_why(results, row, ceiling) if ratio > LATENCY_FACTOR else ""
-        measured = say(text.MEASURED_LATENCY, p50=row.p50_ms, single=ceiling.single_image_ms, ratio=ratio)
+        ratio = p50 / single
+        why = _latency_why(target, p50, single, grpc_p50, row, ceiling) if ratio > LATENCY_FACTOR else ""
         out.append(Target(name, measured, status(ratio <= LATENCY_FACTOR), why))
     return out
 
 
-def _latency_why(results: Results, row: LoadRow, ceiling: PhotoCeiling) -> str:
-    parts = [say(text.WHY_CEILING_SINGLE, single=ceiling.single_image_ms)]
-    stats = row.triton or {}
+def _latency_why(target: str, p50: float, single: float, grpc_p50: float, row: LoadRow | None,
+                 ceiling: PhotoCeiling | None) -> str:
+    """Where a short latency goes: Triton's queues and the networks from the closed-loop row's statistics
+    (when the run has them), the gateway as REST's p50 over gRPC's."""
+    parts = [say(text.WHY_CEILING_SINGLE, single=single)]
+    stats = (row.triton or {}) if row else {}
     if stats:
         queue = sum(s.get("queue_ms_per_request", 0.0) for s in stats.values())
         parts.append(say(text.WHY_QUEUES, queue=queue))
         outside = stats.get("face_pipeline", {}).get("outside_models_ms_per_image")
-        if outside is not None:
+        if outside is not None and ceiling:
             parts.append(say(text.WHY_PIPELINE_OUTSIDE, outside=outside,
                              inprocess=ceiling.best_split.outside_models_ms))
         compute = sum(stats[m].get("compute_ms_per_item", 0.0) for m in ("face_detector", "face_embedder")
                       if m in stats and stats[m].get("items", 0.0) > 0)
-        if compute > 0:  # the networks were called as models (the BLS layout)
+        if compute > 0 and ceiling:  # the networks were called as models (the BLS layout)
             inprocess = sum(ceiling.best_split.stages_ms[s] for s in ceiling_part.MODEL_STAGES)
             parts.append(say(text.WHY_NETWORKS, stubs=compute, inprocess=inprocess))
-    if row.target == REST:
-        grpc = find(results.stack, GRPC, row.photo, 1)
-        if grpc and row.p50_ms >= grpc.p50_ms:
-            parts.append(say(text.WHY_GATEWAY, extra=row.p50_ms - grpc.p50_ms))
-        elif grpc:  # a negative "adds" would be noise reported as a measurement
-            parts.append(say(text.WHY_GATEWAY_NOISE, rest=row.p50_ms, grpc=grpc.p50_ms))
+    if target == REST and not isnan(grpc_p50):
+        if p50 >= grpc_p50:
+            parts.append(say(text.WHY_GATEWAY, extra=p50 - grpc_p50))
+        else:  # a negative "adds" would be noise reported as a measurement
+            parts.append(say(text.WHY_GATEWAY_NOISE, rest=p50, grpc=grpc_p50))
     return "; ".join(parts) + "."
 
 

@@ -103,6 +103,12 @@ def ratios(results: Results) -> list[Ratio]:
                     add(say(text.RATIO_LATENCY, target=target, photo=photo), row.p50_ms,
                         say(text.MS, value=row.p50_ms), ceiling.single_image_ms,
                         say(text.MS, value=ceiling.single_image_ms))
+        paired = next((r for r in results.paired_latency if r.photo == photo), None)
+        if paired:
+            for target in (REST, GRPC):
+                add(say(text.RATIO_LATENCY_PAIRED, target=target, photo=photo), paired.p50_ms(target),
+                    say(text.MS, value=paired.p50_ms(target)), paired.ceiling_ms,
+                    say(text.MS, value=paired.ceiling_ms))
     for result in results.perf_analyzer:
         for pa in result.rows:
             ours = find(results.stack, GRPC, result.photo, pa.concurrency)

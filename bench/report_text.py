@@ -30,6 +30,7 @@ RATIO_BEST_OF_EACH = "{target} / {baseline}, {photo}, best concurrency of each"
 RATIO_WORK_REDUCTIONS = "{served} / {plain}, {photo}, concurrency {c} (the work reductions alone)"
 RATIO_GATEWAY = "{rest} / {grpc}, {photo}, concurrency {c} (the gateway's cost)"
 RATIO_LATENCY = "{target} p50 at concurrency 1 / ceiling single image, {photo}"
+RATIO_LATENCY_PAIRED = "{target} p50 at concurrency 1 / ceiling single image, {photo}, paired rounds"
 RATIO_PERF_ANALYZER = "perf_analyzer / this benchmark's gRPC client, {photo}, concurrency {c}"
 
 # --- targets: names and what was measured -------------------------------------------------------------
@@ -66,6 +67,8 @@ TARGET_OUTSIDE_SPLIT = ("face_pipeline steps outside the two models <= 3 ms per 
 MEASURED_SPLIT = "{value:.1f} ms ({threads} thread(s))"
 TARGET_LATENCY = "{target} p50 latency at concurrency 1 <= 1.3x the ceiling's single-image time (1 face)"
 MEASURED_LATENCY = "{p50:.1f} / {single:.1f} ms = {ratio:.2f}x"
+MEASURED_LATENCY_PAIRED = ("{p50:.1f} / {single:.1f} ms = {ratio:.2f}x ({rounds} paired rounds, the two "
+                           "calls in turn; the median of each round's ratio {paired:.2f}x)")
 MEMORY_LABELS = {"gateway": "gateway", "triton": "Triton (server + Python-backend stubs)"}
 TARGET_MEMORY = ("{label} resident memory flat (+-{pct:g} %) across the memory run (REST identify, "
                  "concurrency {c}, {minutes} min)")
@@ -181,6 +184,14 @@ STACK_HEADING = "### Our stack (`bench/stack.py`)"
 STACK_CPU = ("CPU milliseconds per request, by process (the Triton tree: the server and one Python-backend "
              "stub process per model instance):")
 STACK_STATS = "Triton statistics per model (deltas over each run):"
+LATENCY_HEADING = "### Latency at concurrency 1, paired (`bench/latency.py`)"
+LATENCY = ("Each round times the in-process ceiling's single image (decode + `run_pipeline`, the "
+           "served runtime and files in this process, on the thread count of the ceiling's best single "
+           "image), one gRPC face_pipeline call and one REST identify call, in turn, {pause:.0f} ms apart, "
+           "after {warmup} rounds of warm-up: the machine's drift falls on all three alike, where the "
+           "ceiling's own single image and the stack's p50 at concurrency 1 above were measured minutes "
+           "apart. The p50 latency targets use these figures; each ratio here is the call's median over the "
+           "ceiling's median in the same rounds.")
 PERF_ANALYZER_HEADING = "### perf_analyzer against face_pipeline (`bench/perf_analyzer.py`)"
 PERF_ANALYZER = ("{version} from the `tritonclient==2.51.0` wheel (sha256 `{sha256}`), real JPEG input data, "
                  "gRPC. Command per concurrency: `{command}`")

@@ -10,6 +10,7 @@ from typing import Any
 from bench import ceiling as ceiling_part
 from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.load import LoadRow
+from bench.latency import PairedLatency
 from bench.perf_analyzer import PaResult, PaRow
 from bench.stack import MemoryRun
 
@@ -41,6 +42,8 @@ class Results:
     plain_check: str = ""  # bench.plain: the plain embedder equals the served one (PlainModels.describe)
     naive_agreement: str = ""  # faces and decisions of each naive variant vs plain
     stack: list[LoadRow] = field(default_factory=list)
+    #: the ceiling's single image, gRPC and REST at concurrency 1, in turn (bench/latency.py)
+    paired_latency: list[PairedLatency] = field(default_factory=list)
     perf_analyzer: list[PaResult] = field(default_factory=list)
     memory: MemoryRun | None = None
     gallery: str = ""  # the gallery benchmark's Markdown tables
@@ -62,6 +65,7 @@ class Results:
             values[name] = [LoadRow(**row) for row in data.get(name, [])]
         values["perf_analyzer"] = [PaResult(**{**p, "rows": [PaRow(**r) for r in p["rows"]]})
                                    for p in data["perf_analyzer"]]
+        values["paired_latency"] = [PairedLatency(**row) for row in data.get("paired_latency", [])]
         memory = data.get("memory")
         values["memory"] = MemoryRun(**{**memory, "load": LoadRow(**memory["load"])}) if memory else None
         return cls(**values)

@@ -285,6 +285,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8",
             "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1", "--no-fixed",
             "--pa-concurrency", "1", "--pa-measurement-ms", "500", "--enroll-images", "8",
+            "--latency-rounds", "5",
             "--gallery-sizes", "1000", "--gallery-dims", "16", "--repository", str(cpu_repository),
             "--out", str(out)]
     code = bench_main.main(argv)
@@ -295,7 +296,8 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert "python -m bench --quick --seconds 1" in body and "Machine: " in body and "onnxruntime" in body
     for heading in ("### Targets", "### The naive baselines", "### Ratios", "### Ceiling",
                     "### Naive baselines", "### Our stack",
-                    "### perf_analyzer", "### Memory", "### Gallery search scaling", "### Enrollment"):
+                    "### Latency at concurrency 1, paired", "### perf_analyzer", "### Memory",
+                    "### Gallery search scaling", "### Enrollment"):
         assert heading in body, heading
 
     targets = _table(body, "### Targets")
@@ -352,6 +354,10 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     bls = ProfileTuning.default(Profile.CPU).layout == "bls"
     assert pipeline["items"] > 0 and ("outside_models_ms_per_image" in pipeline) is bls
     assert set(grpc["rss_mib"]) == {"gateway", "triton"}
+    (paired,) = results["paired_latency"]  # the ceiling, gRPC and REST in turn: the latency targets' figures
+    assert paired["photo"] == "obama.jpg" and paired["rounds"] == 5
+    assert all(paired[k] > 0 for k in ("ceiling_ms", "grpc_ms", "rest_ms", "grpc_paired", "rest_paired"))
+    assert all("5 paired rounds" in measured for name, measured, *_ in targets if "p50 latency" in name)
     memory = results["memory"]
     assert len(memory["times_s"]) >= 3 and set(memory["rss_mib"]) == {"gateway", "triton"}
     assert memory["shapes"] == len(VARIANT_SIZES) and memory["load"]["errors"] == 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench import ceiling, report
+from bench import ceiling, latency, report
 from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.inputs import served_models
 from bench.core.load import LoadRow
@@ -203,3 +203,54 @@ def test_latency_why_never_reports_a_negative_gateway_time() -> None:
     noisy = why(61.0, 62.1)
     assert "adds" not in noisy and "-1.1" not in noisy
     assert "REST identify's p50 (61.0 ms) is below gRPC face_pipeline's (62.1 ms)" in noisy
+
+
+def test_paired_rounds_time_each_call_in_turn_after_the_warm_up() -> None:
+    order: list[str] = []
+    calls = {name: (lambda name=name: order.append(name)) for name in (latency.CEILING, "gRPC face_pipeline",
+                                                                        "REST identify")}
+    times = latency.alternate(calls, rounds=3, pause_s=0.0, warmup=2)
+    assert order == [latency.CEILING, "gRPC face_pipeline", "REST identify"] * 5  # 2 warm-up + 3 kept
+    assert {name: len(ms) for name, ms in times.items()} == dict.fromkeys(calls, 3)
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        latency.alternate(calls, rounds=0)
+
+    summary = latency.summarize("obama.jpg", {latency.CEILING: [10.0, 40.0, 20.0],
+                                              "gRPC face_pipeline": [11.0, 44.0, 22.0],
+                                              "REST identify": [30.0, 48.0, 24.0]}, threads=2, pause_s=0.03)
+    assert (summary.ceiling_ms, summary.grpc_ms, summary.rest_ms, summary.rounds) == (20.0, 22.0, 30.0, 3)
+    assert summary.ratio("REST identify") == 1.5  # the medians' ratio: the target's
+    assert summary.paired("REST identify") == pytest.approx(1.2)  # the rounds' own ratios: 3.0, 1.2, 1.2
+    assert summary.grpc_paired == pytest.approx(1.1) and summary.pause_ms == 30.0
+
+
+def test_the_latency_target_takes_the_paired_rounds_when_the_run_has_them() -> None:
+    """The closed-loop p50 and the ceiling part were measured minutes apart (here 60 against 25 ms: short);
+    the paired rounds timed them in turn (30 against 25 ms: 1.2x) and decide."""
+    served = _ceiling("obama.jpg", "served", "openvino: detector bf16, embedder bf16", 25.0, 20.0)
+    stack = [_row("REST identify", "obama.jpg", 1, 16.0, p50=60.0),
+             _row("gRPC face_pipeline", "obama.jpg", 1, 18.0, p50=55.0)]
+    name = "REST identify p50 latency at concurrency 1 <= 1.3x the ceiling's single-image time (1 face)"
+    unpaired = {t.name: t for t in report.targets(_results(ceiling=[served], stack=stack))}[name]
+    assert unpaired.status == "falls short" and unpaired.measured.startswith("60.0 / ")
+    paired = latency.PairedLatency("obama.jpg", 200, 2, 30.0, 25.0, 27.0, 30.0, 1.07, 1.19)
+    results = _results(ceiling=[served], stack=stack, paired_latency=[paired])
+    found = {t.name: t for t in report.targets(results)}
+    assert found[name].status == "pass" and found[name].measured == (
+        "30.0 / 25.0 ms = 1.20x (200 paired rounds, the two calls in turn; the median of each round's ratio "
+        "1.19x)")
+    grpc = found["gRPC face_pipeline p50 latency at concurrency 1 <= 1.3x the ceiling's single-image time "
+                 "(1 face)"]
+    assert grpc.status == "pass" and grpc.measured.startswith("27.0 / 25.0 ms = 1.08x")
+    # short on the paired figures: the gateway's share is the paired REST over the paired gRPC
+    slow = latency.PairedLatency("obama.jpg", 200, 2, 30.0, 25.0, 27.0, 36.0, 1.07, 1.43)
+    short = {t.name: t for t in report.targets(_results(ceiling=[served], stack=stack,
+                                                        paired_latency=[slow]))}[name]
+    assert short.status == "falls short" and "the ceiling's single image is 25.0 ms" in short.why
+    assert "adds 9.0 ms over gRPC" in short.why
+    ratios = {r.name: r.value for r in report.ratios(results)}
+    latency_ratio = "REST identify p50 at concurrency 1 / ceiling single image, obama.jpg"
+    assert ratios[f"{latency_ratio}, paired rounds"] == 1.2
+    assert ratios[latency_ratio] == 60.0 / served.single_image_ms  # the closed loop's, beside it
+    again = report.Results.from_json(results.to_json())  # results.json keeps them
+    assert again.paired_latency == [paired]

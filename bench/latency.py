@@ -1,0 +1,121 @@
+"""Latency at concurrency 1, paired: the in-process ceiling's single image, gRPC ``face_pipeline`` and REST
+``identify``, one call of each in turn, round after round (``python -m bench``'s *latency* part).
+
+The ceiling's single image (``bench/ceiling.py``) and the stack's p50 at concurrency 1 (``bench/stack.py``)
+are otherwise measured minutes apart, and a shared 2-core machine's speed drifts from one minute to the
+next by more than the few milliseconds between them (on a 2-core Xeon, a gRPC call's p50 came out at 42 ms
+against a single image of 23 ms measured minutes before; see docs/benchmarks). Here every round times the
+three calls back to back, so a drift falls on all three alike: the ratio of their medians is the target's
+ratio, and the median of each round's own ratio is beside it.
+
+A short pause separates the calls: a runtime's worker threads keep spinning for a moment after a call
+(OpenVINO's, and the servers' poller threads), and that moment must not fall on the next call, which
+belongs to another process. The ceiling runs in this process with the served runtime, files and settings
+(decode + ``run_pipeline``: what its single image times), on the thread count that won the ceiling's own
+split (default 2: what ``face_pipeline`` gives a lone request).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+from bench.ceiling import process
+from bench.core.inputs import ServedModels
+from bench.core.reporting import markdown_table
+from bench.stack import GRPC, MAX_FACES, REST, Stack, identify_sender
+from facecore.client import PipelineClient
+
+ROUNDS = 200
+PAUSE_S = 0.03
+WARMUP = 5
+THREADS = 2
+CEILING = "ceiling"
+
+
+@dataclass
+class PairedLatency:
+    photo: str
+    rounds: int
+    threads: int  # the ceiling's intra-op threads per network
+    pause_ms: float
+    ceiling_ms: float  # medians over the rounds
+    grpc_ms: float
+    rest_ms: float
+    grpc_paired: float  # the median over the rounds of gRPC / ceiling in the same round
+    rest_paired: float
+
+    def p50_ms(self, target: str) -> float:
+        return {GRPC: self.grpc_ms, REST: self.rest_ms}[target]
+
+    def ratio(self, target: str) -> float:
+        """The target's ratio: the call's median over the ceiling's median, both from these rounds."""
+        return self.p50_ms(target) / self.ceiling_ms
+
+    def paired(self, target: str) -> float:
+        return {GRPC: self.grpc_paired, REST: self.rest_paired}[target]
+
+
+def alternate(calls: Mapping[str, Callable[[], object]], rounds: int, pause_s: float = PAUSE_S,
+              warmup: int = WARMUP) -> dict[str, list[float]]:
+    """Every call once per round, in the order given, ``pause_s`` before each; the milliseconds of each call
+    per round (``warmup`` rounds first, not kept)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for index in range(warmup + rounds):
+        for name, call in calls.items():
+            time.sleep(pause_s)
+            began = time.perf_counter()
+            call()
+            if index >= warmup:
+                times[name].append(1000 * (time.perf_counter() - began))
+    return times
+
+
+def summarize(photo: str, times: Mapping[str, list[float]], threads: int, pause_s: float) -> PairedLatency:
+    ceiling = times[CEILING]
+
+    def paired(name: str) -> float:
+        return statistics.median(a / b for a, b in zip(times[name], ceiling, strict=True))
+
+    return PairedLatency(photo, len(ceiling), threads, 1000 * pause_s, statistics.median(ceiling),
+                         statistics.median(times[GRPC]), statistics.median(times[REST]), paired(GRPC),
+                         paired(REST))
+
+
+def measure(running: Stack, models: ServedModels, photos: Mapping[str, bytes], threads: Mapping[str, int],
+            rounds: int = ROUNDS, pause_s: float = PAUSE_S) -> list[PairedLatency]:
+    """Each photo's paired rounds (``threads``: the ceiling's thread count per photo, default ``THREADS``)."""
+    settings = models.settings
+    out = []
+    client = PipelineClient(running.triton_grpc, timeout_s=300)
+    try:
+        for photo, data in photos.items():
+            count = threads.get(photo, THREADS)
+            detector, embedder = models.detector(count), models.embedder(count)
+            sender = identify_sender(running, photo, data)
+            try:
+                calls: dict[str, Callable[[], object]] = {
+                    CEILING: partial(process, [data], settings, detector, embedder),
+                    GRPC: partial(client.infer, data, max_faces=MAX_FACES), REST: sender}
+                out.append(summarize(photo, alternate(calls, rounds, pause_s), count, pause_s))
+            finally:
+                sender.close()
+    finally:
+        client.close()
+    return out
+
+
+def table(rows: list[PairedLatency]) -> str:
+    return markdown_table(
+        ["photo", "rounds", "ceiling threads", "ceiling single image p50 ms", "gRPC face_pipeline p50 ms",
+         "REST identify p50 ms", "gRPC / ceiling", "REST / ceiling", "gRPC / ceiling, per round (median)",
+         "REST / ceiling, per round (median)"],
+        [[r.photo, str(r.rounds), str(r.threads), f"{r.ceiling_ms:.1f}", f"{r.grpc_ms:.1f}",
+          f"{r.rest_ms:.1f}", f"{r.ratio(GRPC):.2f}", f"{r.ratio(REST):.2f}", f"{r.grpc_paired:.2f}",
+          f"{r.rest_paired:.2f}"]
+         for r in rows])
