@@ -18,7 +18,9 @@ In this order:
    process;
 3. latency at concurrency 1, paired (``bench/latency.py``): the ceiling's single image in this process,
    gRPC face_pipeline and REST identify, one call of each in turn for ``--latency-rounds`` rounds, so the
-   machine's drift falls on all three alike (the p50 latency target's figures);
+   machine's drift falls on all three alike (the p50 latency target's figures); then REST identify at its
+   best concurrency of the sweep and at 16, alternating for 3 rounds (``stack.hold_check``: the target of
+   throughput holding at 16);
 4. perf_analyzer 2.51 against face_pipeline with real JPEG data (``bench/perf_analyzer.py``);
 5. enrollment throughput (``bench/enroll.py``) against the same Triton;
 6. the memory run: REST identify at concurrency 16 for ``--memory-minutes``, resident memory sampled;
@@ -49,11 +51,13 @@ from bench import ceiling, latency, naive, perf_analyzer, plain, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
 from bench.core.reporting import machine_description
 from bench.naive_agreement import describe as describe_agreement
+from bench.results import HIGH_CONCURRENCY, peak
 from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
 
-PARTS = ("ceiling", "naive", "stack", "latency", "perf_analyzer", "enroll", "memory", "gallery")
+HOLD_ROUNDS = 3  # stack.hold_check: alternating rounds of the best concurrency and the highest
+PARTS = ("ceiling", "naive", "stack", "latency", "hold", "perf_analyzer", "enroll", "memory", "gallery")
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,22 @@ def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_ser
             client.close()
 
 
+def _hold(results: report.Results, p: Plan, running: stack.Stack, photos: dict[str, bytes]
+          ) -> list[stack.HoldCheck]:
+    """Each photo's REST identify at its best concurrency of the sweep against the target's high one (16),
+    alternating; none where that was the best, or it was not part of the sweep."""
+    high = HIGH_CONCURRENCY
+    if high not in p.concurrency:
+        return []
+    out = []
+    for name, data in photos.items():
+        top = peak(results.stack, stack.REST, name)
+        if top is not None and top.concurrency != high:
+            out.append(stack.hold_check(running, name, data, top.concurrency, high, p.seconds / 2,
+                                        HOLD_ROUNDS))
+    return out
+
+
 def _plain(results: report.Results, p: Plan, models: ServedModels, photos: dict[str, bytes]
            ) -> ServedModels | None:
     """The plain variant's models (built or reused, checked against the served embedder) when the ceiling
@@ -238,7 +258,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
         run_part(results, "ceiling", p.skip, do_ceiling)  # alone: it uses every core itself
         with ExitStack() as servers:
             running: stack.Stack | None = None
-            stack_parts = {"stack", "latency", "perf_analyzer", "enroll", "memory"} - p.skip
+            stack_parts = {"stack", "latency", "hold", "perf_analyzer", "enroll", "memory"} - p.skip
             if stack_parts:
                 try:
                     running = servers.enter_context(stack.running_stack(args.repository,
@@ -277,6 +297,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                     results.paired_latency = latency.measure(stacked, models, photos, threads,
                                                              p.latency_rounds)
 
+                def do_hold() -> None:
+                    results.hold = _hold(results, p, stacked, photos)
+
                 def do_pa() -> None:
                     results.perf_analyzer = perf_analyzer.measure(stacked.triton_grpc, first, p.pa)
 
@@ -288,6 +311,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                     results.memory = stack.memory_run(stacked, name, photos[name], p.memory_minutes)
 
                 run_part(results, "latency", p.skip, do_latency)
+                run_part(results, "hold", p.skip, do_hold)
                 run_part(results, "perf_analyzer", p.skip, do_pa)
                 run_part(results, "enroll", p.skip, do_enroll)
                 if p.memory_minutes > 0:

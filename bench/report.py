@@ -138,6 +138,8 @@ def _load_sections(results: Results) -> list[str]:
         parts += [text.STACK_HEADING, stack_part.load_table(results.stack),
                   text.STACK_CPU, stack_part.cpu_table(results.stack),
                   text.STACK_STATS, stack_part.stats_table(results.stack)]
+    if results.hold:
+        parts += [text.HOLD, stack_part.hold_table(results.hold)]
     if results.paired_latency:
         parts += [text.LATENCY_HEADING,
                   say(text.LATENCY, pause=results.paired_latency[0].pause_ms, warmup=latency_part.WARMUP),

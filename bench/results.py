@@ -12,7 +12,7 @@ from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.load import LoadRow
 from bench.latency import PairedLatency
 from bench.perf_analyzer import PaResult, PaRow
-from bench.stack import MemoryRun
+from bench.stack import HoldCheck, MemoryRun
 
 ONE_FACE, SIX_FACES = "obama.jpg", "t1.jpg"
 TARGET_CONCURRENCY = 8
@@ -44,6 +44,8 @@ class Results:
     stack: list[LoadRow] = field(default_factory=list)
     #: the ceiling's single image, gRPC and REST at concurrency 1, in turn (bench/latency.py)
     paired_latency: list[PairedLatency] = field(default_factory=list)
+    #: REST identify at its best concurrency and at 16, alternating (bench/stack.py hold_check)
+    hold: list[HoldCheck] = field(default_factory=list)
     perf_analyzer: list[PaResult] = field(default_factory=list)
     memory: MemoryRun | None = None
     gallery: str = ""  # the gallery benchmark's Markdown tables
@@ -66,6 +68,7 @@ class Results:
         values["perf_analyzer"] = [PaResult(**{**p, "rows": [PaRow(**r) for r in p["rows"]]})
                                    for p in data["perf_analyzer"]]
         values["paired_latency"] = [PairedLatency(**row) for row in data.get("paired_latency", [])]
+        values["hold"] = [HoldCheck(**row) for row in data.get("hold", [])]
         memory = data.get("memory")
         values["memory"] = MemoryRun(**{**memory, "load": LoadRow(**memory["load"])}) if memory else None
         return cls(**values)

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import secrets
+import statistics
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -177,6 +178,46 @@ def measure(stack: Stack, photos: dict[str, bytes], concurrency: Sequence[int] =
     return rows
 
 
+@dataclass
+class HoldCheck:
+    """REST identify at its best concurrency of the sweep and at a higher one, alternating for a few rounds
+    (``hold_check``): the higher one's share of the best, each pair measured back to back."""
+
+    photo: str
+    best_concurrency: int
+    high_concurrency: int
+    seconds: float  # each window
+    best: list[float]  # images/s per round
+    high: list[float]
+    errors: int = 0  # failed requests over every window
+
+    @property
+    def shares(self) -> list[float]:
+        return [h / b if b > 0 else 0.0 for h, b in zip(self.high, self.best, strict=True)]
+
+    @property
+    def share(self) -> float:
+        """The median over the rounds of the higher concurrency's throughput over the best one's."""
+        return statistics.median(self.shares)
+
+
+def hold_check(stack: Stack, name: str, data: bytes, best: int, high: int, seconds: float,
+               rounds: int = 3) -> HoldCheck:
+    """The sweep measures each concurrency once, minutes apart, and its best is the largest of several noisy
+    windows: a higher concurrency compared with it loses to the machine's drift and to that pick as much as
+    to its own queues. Here the two alternate, ``rounds`` times, each window ``seconds`` long."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    check = HoldCheck(name, best, high, seconds, [], [])
+    for _ in range(rounds):
+        for concurrency, rates in ((best, check.best), (high, check.high)):
+            row = measure_rest(stack, name, data, concurrency, seconds)
+            rates.append(row.throughput)
+            check.errors += row.errors
+    log.info("hold %s: %d vs %d, shares %s", name, high, best, [f"{s:.2f}" for s in check.shares])
+    return check
+
+
 # --- memory -----------------------------------------------------------------------------------------
 
 
@@ -295,6 +336,15 @@ def cpu_table(rows: Sequence[LoadRow]) -> str:
                       *(f"{r.cpu_detail_ms.get(k, float('nan')):.1f}" for k in processes),
                       f"{r.cpu_ms_total:.1f}"))
     return markdown_table(columns, lines)
+
+
+def hold_table(checks: Sequence[HoldCheck]) -> str:
+    return markdown_table(
+        ["photo", "concurrency: best of the sweep / high", "window s", "images/s at the best, per round",
+         "images/s at the high, per round", "high / best, per round", "median", "errors"],
+        [[c.photo, f"{c.best_concurrency} / {c.high_concurrency}", f"{c.seconds:g}",
+          " / ".join(f"{v:.1f}" for v in c.best), " / ".join(f"{v:.1f}" for v in c.high),
+          " / ".join(f"{s:.0%}" for s in c.shares), f"{c.share:.0%}", str(c.errors)] for c in checks])
 
 
 def memory_table(run: MemoryRun) -> str:

@@ -282,7 +282,7 @@ def test_an_unstable_perf_analyzer_measurement_is_repeated_and_marked(tmp_path: 
 def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_repository: Path,
                                                     served_runtime: str) -> None:
     out = tmp_path / "benchmarks"
-    argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8",
+    argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8", "16",
             "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1", "--no-fixed",
             "--pa-concurrency", "1", "--pa-measurement-ms", "500", "--enroll-images", "8",
             "--latency-rounds", "5",
@@ -302,9 +302,9 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
 
     targets = _table(body, "### Targets")
     assert len(targets) == 22
-    # all measured but the 6-face photo's and throughput at concurrency 16: not in this run's settings
-    outside_run = [row for row in targets if "t1.jpg" in row[0] or "at concurrency 16 >=" in row[0]]
-    assert len(outside_run) == 8 and all(row[2:] == ["**not measured**", "not part of this run"]
+    # all measured but the 6-face photo's: not in this run's settings
+    outside_run = [row for row in targets if "t1.jpg" in row[0]]
+    assert len(outside_run) == 7 and all(row[2:] == ["**not measured**", "not part of this run"]
                                          for row in outside_run), outside_run
     # the in_process layout (the CPU default) runs the networks inside face_pipeline: Triton's statistics
     # cannot split its own time from theirs, and the report says so instead of a figure
@@ -358,6 +358,16 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert paired["photo"] == "obama.jpg" and paired["rounds"] == 5
     assert all(paired[k] > 0 for k in ("ceiling_ms", "grpc_ms", "rest_ms", "grpc_paired", "rest_paired"))
     assert all("5 paired rounds" in measured for name, measured, *_ in targets if "p50 latency" in name)
+    # throughput holding at 16: the sweep's best against 16, alternating (none when 16 was the best itself)
+    best = max((r for r in results["stack"] if r["target"] == "REST identify"), key=lambda r: r["throughput"])
+    if best["concurrency"] == 16:
+        assert results["hold"] == []
+    else:
+        (hold,) = results["hold"]
+        assert (hold["photo"], hold["best_concurrency"], hold["high_concurrency"]) == (
+            "obama.jpg", best["concurrency"], 16)
+        assert len(hold["best"]) == len(hold["high"]) == 3 and min(hold["high"]) > 0 and hold["errors"] == 0
+        assert "alternating rounds" in next(m for n, m, *_ in targets if "at concurrency 16 >=" in n)
     memory = results["memory"]
     assert len(memory["times_s"]) >= 3 and set(memory["rss_mib"]) == {"gateway", "triton"}
     assert memory["shapes"] == len(VARIANT_SIZES) and memory["load"]["errors"] == 0

@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 
+from bench import __main__ as bench_main
 from bench import ceiling, latency, report
+from bench import stack as stack_part
 from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.inputs import served_models
 from bench.core.load import LoadRow
 from bench.naive_agreement import compare, compare_all
-from bench.stack import MemoryRun
+from bench.stack import HoldCheck, MemoryRun
 from export.defaults import SPECS
 from facecore.pipeline import PipelineSettings
 from facecore.runtimes import Runtime, RuntimeChoice
@@ -254,3 +256,56 @@ def test_the_latency_target_takes_the_paired_rounds_when_the_run_has_them() -> N
     assert ratios[latency_ratio] == 60.0 / served.single_image_ms  # the closed loop's, beside it
     again = report.Results.from_json(results.to_json())  # results.json keeps them
     assert again.paired_latency == [paired]
+
+
+def test_holding_at_16_is_decided_by_alternating_rounds_when_the_run_has_them() -> None:
+    """The sweep's 16 (17.0 images/s) against its best window (20.0 at 8) says 85 %; the two alternating
+    back to back say 98 % and decide."""
+    stack = [_row("REST identify", "obama.jpg", c, t) for c, t in ((4, 18.0), (8, 20.0), (16, 17.0))]
+    name = "REST identify throughput at concurrency 16 >= 95% of its best concurrency (obama.jpg)"
+    sweep_only = {t.name: t for t in report.targets(_results(stack=stack))}[name]
+    assert sweep_only.status == "falls short" and sweep_only.measured == "17.0 / 20.0 images/s (at 8) = 85%"
+    check = HoldCheck("obama.jpg", 8, 16, 5.0, [20.0, 19.0, 21.0], [19.6, 18.8, 20.0])
+    assert [round(s, 3) for s in check.shares] == [0.98, 0.989, 0.952] and check.share == pytest.approx(0.98)
+    held = {t.name: t for t in report.targets(_results(stack=stack, hold=[check]))}[name]
+    assert held.status == "pass" and held.measured == (
+        "98%: concurrency 16 against 8 in 3 alternating rounds of 5 s each (98% / 99% / 95%; the sweep "
+        "alone: 17.0 / 20.0 images/s (at 8) = 85%)")
+    sinking = HoldCheck("obama.jpg", 8, 16, 5.0, [20.0, 20.0, 20.0], [17.0, 18.0, 18.5])
+    short = {t.name: t for t in report.targets(_results(stack=stack, hold=[sinking]))}[name]
+    assert short.status == "falls short" and short.measured.startswith("90%:") and "queue up" in short.why
+    again = report.Results.from_json(_results(stack=stack, hold=[check]).to_json())
+    assert again.hold == [check]
+
+
+def test_the_hold_check_alternates_the_two_concurrencies(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[int] = []
+
+    def measure_rest(running: object, name: str, data: bytes, concurrency: int, seconds: float) -> LoadRow:
+        sent.append(concurrency)
+        return _row("REST identify", name, concurrency, 10.0 + concurrency / 16, p50=seconds)
+
+    monkeypatch.setattr(stack_part, "measure_rest", measure_rest)
+    check = stack_part.hold_check(None, "t1.jpg", b"jpeg", best=4, high=16, seconds=2.0, rounds=3)  # type: ignore[arg-type]
+    assert sent == [4, 16] * 3
+    assert check.best == [10.25] * 3 and check.high == [11.0] * 3 and check.errors == 0
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        stack_part.hold_check(None, "t1.jpg", b"jpeg", best=4, high=16, seconds=2.0, rounds=0)  # type: ignore[arg-type]
+
+    checked: list[tuple[str, int, int]] = []
+
+    def hold_check(running: object, name: str, data: bytes, best: int, high: int, seconds: float,
+                   rounds: int) -> HoldCheck:
+        checked.append((name, best, high))
+        return HoldCheck(name, best, high, seconds, [1.0], [1.0])
+
+    monkeypatch.setattr(stack_part, "hold_check", hold_check)
+    sweep = [_row("REST identify", "obama.jpg", 8, 20.0), _row("REST identify", "obama.jpg", 16, 19.0),
+             _row("REST identify", "t1.jpg", 8, 9.0), _row("REST identify", "t1.jpg", 16, 10.0)]
+    plan = bench_main.plan(bench_main.arguments().parse_args(["--quick"]))
+    photos = {"obama.jpg": b"1", "t1.jpg": b"6"}
+    checks = bench_main._hold(_results(stack=sweep), plan, None, photos)  # type: ignore[arg-type]
+    assert checked == [("obama.jpg", 8, 16)]  # t1.jpg was best at 16 already
+    assert [c.seconds for c in checks] == [plan.seconds / 2]
+    without_16 = bench_main.plan(bench_main.arguments().parse_args(["--quick", "--concurrency", "1", "8"]))
+    assert bench_main._hold(_results(stack=sweep), without_16, None, photos) == []  # type: ignore[arg-type]
