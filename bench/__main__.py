@@ -56,7 +56,6 @@ from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
 
-HOLD_ROUNDS = 3  # stack.hold_check: alternating rounds of the best concurrency and the highest
 PARTS = ("ceiling", "naive", "stack", "latency", "hold", "perf_analyzer", "enroll", "memory", "gallery")
 
 
@@ -212,8 +211,7 @@ def _hold(results: report.Results, p: Plan, running: stack.Stack, photos: dict[s
     for name, data in photos.items():
         top = peak(results.stack, stack.REST, name)
         if top is not None and top.concurrency != high:
-            out.append(stack.hold_check(running, name, data, top.concurrency, high, p.seconds / 2,
-                                        HOLD_ROUNDS))
+            out.append(stack.hold_check(running, name, data, top.concurrency, high, p.seconds / 2))
     return out
 
 

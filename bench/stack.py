@@ -201,8 +201,12 @@ class HoldCheck:
         return statistics.median(self.shares)
 
 
+#: hold_check's rounds: each the sweep's best concurrency, then the high one
+HOLD_ROUNDS = 3
+
+
 def hold_check(stack: Stack, name: str, data: bytes, best: int, high: int, seconds: float,
-               rounds: int = 3) -> HoldCheck:
+               rounds: int = HOLD_ROUNDS) -> HoldCheck:
     """The sweep measures each concurrency once, minutes apart, and its best is the largest of several noisy
     windows: a higher concurrency compared with it loses to the machine's drift and to that pick as much as
     to its own queues. Here the two alternate, ``rounds`` times, each window ``seconds`` long."""

@@ -295,7 +295,7 @@ def test_the_hold_check_alternates_the_two_concurrencies(monkeypatch: pytest.Mon
     checked: list[tuple[str, int, int]] = []
 
     def hold_check(running: object, name: str, data: bytes, best: int, high: int, seconds: float,
-                   rounds: int) -> HoldCheck:
+                   rounds: int = stack_part.HOLD_ROUNDS) -> HoldCheck:
         checked.append((name, best, high))
         return HoldCheck(name, best, high, seconds, [1.0], [1.0])
 
