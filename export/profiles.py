@@ -67,6 +67,10 @@ class ProfileTuning:
     #: is working (each network is then compiled twice: this many threads, capped at the usable CPUs, and
     #: its own count for calls side by side); 0: always the network's own count.
     solo_threads: int = 0
+    #: CPU profile: the embedder runs a batch as calls of at most this many faces, split evenly, on the
+    #: copies that run side by side (one thread each); 0: one call. A few faces at a time stay in a core's
+    #: cache (``facecore.runtimes.RuntimeChoice.sub_batch``); a lone request's two-thread copy runs whole.
+    embedder_sub_batch: int = 0
     #: face_pipeline parameters (PipelineSettings fields as strings), e.g. {"decode_min_side": "1280"}.
     pipeline_options: dict[str, str] = field(default_factory=dict)
 

@@ -181,6 +181,8 @@ def _runtime_parameters(plan: RepositoryPlan, role: str, precision: PrecisionChe
               "intra_op_spinning": str(tuning.spinning).lower(), "precision": "f32"}
     if precision is not None:
         params |= {"precision": precision.precision, "precision_check": precision.summary()}
+    if role == "embedder" and plan.profile is Profile.CPU and tuning.embedder_sub_batch > 0:
+        params["sub_batch"] = str(tuning.embedder_sub_batch)
     return params
 
 
@@ -194,6 +196,7 @@ def _in_process_parameters(detector: mc.ModelConfig, embedder: mc.ModelConfig, s
         params |= {f"{role}_runtime": values["runtime"].string_value,
                    f"{role}_precision": values["precision"].string_value,
                    f"{role}_threads": values["intra_op_threads"].string_value,
+                   f"{role}_sub_batch": values["sub_batch"].string_value if "sub_batch" in values else "0",
                    "intra_op_spinning": values["intra_op_spinning"].string_value}
     return params
 

@@ -29,7 +29,8 @@ def runtime_choice(config: mc.ModelConfig) -> RuntimeChoice:
     params = {key: value.string_value for key, value in config.parameters.items()}
     return RuntimeChoice(Runtime(params.get("runtime", Runtime.ONNXRUNTIME.value)),
                          params.get("precision", "f32"), int(params.get("intra_op_threads") or "0"),
-                         params.get("intra_op_spinning", "true").lower() == "true")
+                         params.get("intra_op_spinning", "true").lower() == "true",
+                         int(params.get("sub_batch") or "0"))
 
 
 @dataclass(frozen=True)

@@ -278,3 +278,45 @@ def test_a_lone_request_gets_the_solo_threads_and_a_crowded_one_its_own(
     other.close()
     model.finalize()
     assert not list(tmp_path.glob("*.occupancy"))
+
+
+def test_faces_embedded_beside_other_instances_go_in_sub_batches(
+    fake_pb_utils: ModuleType, cpu_repository: Path, photo_bytes: dict[str, bytes], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``embedder_sub_batch``: t1.jpg's six faces, met while another instance executes, go through the
+    one-thread embedder as two calls of three; met alone, through the two-thread copy as one call of six;
+    the embeddings agree."""
+    import facecore.occupancy as occupancy
+    import facecore.openvino_runtime as ov_runtime
+    import facecore.runtimes as runtimes
+
+    monkeypatch.setattr(occupancy, "default_folder", lambda: tmp_path)
+    monkeypatch.setattr(runtimes, "usable_cpus", lambda: 2)
+    embedder_calls: list[tuple[int, int]] = []  # (threads, faces)
+    real_run = ov_runtime.Network.run
+
+    def recorded(self: ov_runtime.Network, batch: np.ndarray) -> list[np.ndarray]:  # type: ignore[type-arg]
+        if batch.shape[1:3] == (112, 112) or batch.shape[2:] == (112, 112):
+            embedder_calls.append((int(self._compiled.get_property("INFERENCE_NUM_THREADS")), len(batch)))
+        return real_run(self, batch)
+
+    monkeypatch.setattr(ov_runtime.Network, "run", recorded)
+    model = load_model_module(PIPELINE_SOURCE, "face_pipeline_sub_batch").TritonPythonModel()
+    config = with_parameters(_config(cpu_repository, "face_pipeline"), layout="in_process", solo_threads="2",
+                             detector_threads="1", embedder_threads="1", detector_runtime="openvino",
+                             embedder_runtime="openvino", embedder_sub_batch="4")
+    model.initialize({"model_config": config, "model_version": "1", "model_name": "face_pipeline",
+                      "model_repository": str(cpu_repository / "face_pipeline"),
+                      "model_instance_name": "face_pipeline_0_0"})
+    alone = model.execute([request(photo_bytes["t1.jpg"])])[0].output("EMBEDDINGS")[0]
+    assert embedder_calls == [(2, 6)]
+    embedder_calls.clear()
+    other = occupancy.Occupancy.of_instance("face_pipeline", "face_pipeline_0_1")
+    with other.executing():
+        crowded = model.execute([request(photo_bytes["t1.jpg"])])[0].output("EMBEDDINGS")[0]
+    assert embedder_calls == [(1, 3), (1, 3)]
+    assert alone.shape == crowded.shape == (6, 128)
+    assert np.min(np.sum(alone * crowded, axis=1)) > 0.9999
+    other.close()
+    model.finalize()

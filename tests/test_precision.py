@@ -255,6 +255,69 @@ def test_a_solo_copy_runs_while_alone_and_reads_the_file_once(default_models: De
 
 
 
+def test_sub_batches_are_even_and_at_most_the_size() -> None:
+    from facecore.runtimes import even_parts
+
+    sizes = {(n, most): [part.stop - part.start for part in even_parts(n, most)]
+             for n, most in ((10, 4), (12, 4), (6, 4), (5, 4), (4, 4), (1, 4), (17, 16))}
+    assert sizes == {(10, 4): [3, 3, 4], (12, 4): [4, 4, 4], (6, 4): [3, 3], (5, 4): [2, 3], (4, 4): [4],
+                     (1, 4): [1], (17, 16): [8, 9]}
+
+
+def test_a_sub_batched_runner_gives_the_whole_batch_outputs_in_order() -> None:
+    from facecore.runtimes import sub_batched
+
+    calls: list[int] = []
+
+    def run(batch: np.ndarray) -> list[np.ndarray]:  # type: ignore[type-arg]
+        calls.append(len(batch))
+        return [batch * 2, batch[:, :1] + 1]
+
+    batch = np.arange(20, dtype=np.float32).reshape(10, 2)
+    doubled, first = sub_batched(run, 4)(batch)
+    assert calls == [3, 3, 4]
+    np.testing.assert_array_equal(doubled, batch * 2)
+    np.testing.assert_array_equal(first, batch[:, :1] + 1)
+    calls.clear()
+    sub_batched(run, 4)(batch[:4])
+    assert sub_batched(run, 0) is run and calls == [4]
+
+
+@pytest.mark.parametrize("runtime", [Runtime.OPENVINO, Runtime.ONNXRUNTIME])
+def test_the_shared_copy_runs_sub_batches_and_the_solo_copy_the_whole_batch(
+        default_models: DefaultModels, runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sub_batch`` on the real embedder: a call made beside other instances runs as even calls of at most
+    that many faces, a lone call (the 2-thread copy) as one; the embeddings are the same either way."""
+    import facecore.runtimes as runtimes
+
+    sizes: list[int] = []
+    real_runner = runtimes._openvino_runner if runtime is Runtime.OPENVINO else runtimes._onnxruntime_runner
+
+    def counting(*args: object) -> runtimes.Runner:
+        run = real_runner(*args)  # type: ignore[arg-type]
+
+        def counted(batch: np.ndarray) -> list[np.ndarray]:  # type: ignore[type-arg]
+            sizes.append(len(batch))
+            return run(batch)
+
+        return counted
+
+    name = "_openvino_runner" if runtime is Runtime.OPENVINO else "_onnxruntime_runner"
+    monkeypatch.setattr(runtimes, name, counting)
+    alone = [False]
+    spec = default_models.embedder
+    run = runtimes.runner(default_models.embedder_file, spec.output_names,
+                          RuntimeChoice(runtime, "f32", 1, sub_batch=4), runtimes.Solo(2, lambda: alone[0]))
+    batch = np.random.default_rng(2).uniform(0, 255, (10, 3, 112, 112)).astype(np.float32)
+    shared = run(batch)[0]
+    assert sizes == [3, 3, 4]
+    sizes.clear()
+    alone[0] = True
+    solo = run(batch)[0]
+    assert sizes == [10]
+    np.testing.assert_allclose(shared, solo, rtol=1e-4, atol=1e-4)
+
+
 def _resident_mib() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 

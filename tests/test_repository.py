@@ -133,6 +133,26 @@ def test_tuning_round_trips_through_json() -> None:
     assert ProfileTuning.from_json(gpu.to_json()) == gpu
 
 
+def test_the_embedder_sub_batch_reaches_both_places_the_embedder_runs(default_models: DefaultModels,
+                                                                      tmp_path: Path) -> None:
+    """``embedder_sub_batch`` is written for face_embedder (BLS layout, re-embedding) and for face_pipeline's
+    own copy (in_process layout); the detector keeps whole batches, and 0 writes nothing for face_embedder."""
+    tuning = replace(ProfileTuning.default(Profile.CPU), layout="in_process", embedder_sub_batch=3)
+    plan = RepositoryPlan(Profile.CPU, default_models.detector, default_models.embedder, tuning=tuning)
+    repository = write_repository(plan, tmp_path / "cpu", default_models.detector_file,
+                                  default_models.embedder_file)
+    assert read_config(repository, "face_embedder").parameters["sub_batch"].string_value == "3"
+    assert "sub_batch" not in read_config(repository, "face_detector").parameters
+    pipeline = read_config(repository, "face_pipeline").parameters
+    sub_batches = (pipeline["embedder_sub_batch"].string_value, pipeline["detector_sub_batch"].string_value)
+    assert sub_batches == ("3", "0")
+    whole = replace(plan, tuning=replace(tuning, embedder_sub_batch=0))
+    repository = write_repository(whole, tmp_path / "whole", default_models.detector_file,
+                                  default_models.embedder_file)
+    assert "sub_batch" not in read_config(repository, "face_embedder").parameters
+    assert read_config(repository, "face_pipeline").parameters["embedder_sub_batch"].string_value == "0"
+
+
 #: Triton's OpenVINO backend: the parameter keys its README documents (and its source reads).
 OPENVINO_BACKEND_KEYS = {"PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "HINT_BF16",
                          "COMPILATION_NUM_THREADS", "CPU_EXTENSION_PATH", "SKIP_OV_DYNAMIC_BATCHSIZE",

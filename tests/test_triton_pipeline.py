@@ -179,9 +179,10 @@ def test_twenty_concurrent_mixed_requests(
 def test_in_process_layout_answers_like_the_bls_layout(
     pipeline: PipelineClient, photo_bytes: dict[str, bytes], default_models: DefaultModels, tmp_path: Path
 ) -> None:
-    """face_pipeline running both networks itself (the CPU sweep's other layout) against the real server
-    gives the faces of the three-model BLS layout."""
-    tuning = replace(ProfileTuning.default(Profile.CPU), layout="in_process")
+    """face_pipeline running both networks itself against the real server gives the faces of the served
+    repository; here every call on one thread and the faces embedded two at a time (t1.jpg: 3 calls)."""
+    tuning = replace(ProfileTuning.default(Profile.CPU), layout="in_process", solo_threads=0,
+                     embedder_sub_batch=2)
     plan = RepositoryPlan(Profile.CPU, default_models.detector, default_models.embedder, tuning=tuning)
     repository = write_repository(plan, tmp_path / "in_process", default_models.detector_file,
                                   default_models.embedder_file)

@@ -90,11 +90,13 @@ class ServedModels:
 
     def detector_choice(self, threads: int | None = None) -> RuntimeChoice:
         served = self.detector_runtime
-        return served if threads is None else replace(served, threads=threads)
+        return served if threads is None else replace(served, threads=threads, sub_batch=0)
 
     def embedder_choice(self, threads: int | None = None) -> RuntimeChoice:
+        """The served embedder's runtime; with ``threads``, on that many threads and taking each batch
+        whole (the ceiling's sweeps time the batch sizes themselves, and its runs use the best)."""
         served = self.embedder_runtime
-        return served if threads is None else replace(served, threads=threads)
+        return served if threads is None else replace(served, threads=threads, sub_batch=0)
 
 
 def served_models(repository: Path = REPOSITORY) -> ServedModels:

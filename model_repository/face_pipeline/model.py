@@ -124,7 +124,8 @@ def in_process_networks(params: dict[str, str], version_dir: Path, settings: Pip
 
     def choice(role: str) -> RuntimeChoice:
         return RuntimeChoice(Runtime(params[f"{role}_runtime"]), params[f"{role}_precision"],
-                             int(params[f"{role}_threads"]), spinning)
+                             int(params[f"{role}_threads"]), spinning,
+                             int(params.get(f"{role}_sub_batch", "0")))
 
     return (runtimes.detector(settings.detector, version_dir / "detector.onnx", choice("detector"), solo),
             runtimes.embedder(settings.embedder, version_dir / "embedder.onnx", choice("embedder"), solo))

@@ -3,8 +3,9 @@
 The bundled tritonserver has only the Python backend, so ``face_detector`` and ``face_embedder``
 are this file plus a ``model.onnx`` in the version directory; the config's parameters choose the
 runtime (``runtime``: openvino | onnxruntime), the precision the export checked (``precision``: f32 |
-bf16; bf16 falls back to f32 on a CPU without native bfloat16) and the threads. Requests of one
-``execute`` whose inputs share a shape are concatenated into one call and split again.
+bf16; bf16 falls back to f32 on a CPU without native bfloat16), the threads and the ``sub_batch``
+(``facecore.runtimes.RuntimeChoice``). Requests of one ``execute`` whose inputs share a shape are
+concatenated into one call and split again.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class TritonPythonModel:
             precision=params.get("precision", "f32"),
             threads=int(params.get("intra_op_threads", "0")),
             spinning=params.get("intra_op_spinning", "true").lower() == "true",
+            sub_batch=int(params.get("sub_batch", "0")),
         )
         (self.input_name,) = tensor_names(config, "input")
         self.output_names = tensor_names(config, "output")
