@@ -216,12 +216,18 @@ class TritonServer:
     def models_ready(self) -> dict[str, bool]:
         return {name: self._get(f"/v2/models/{name}/ready") == 200 for name in self.models}
 
+    def metrics_up(self) -> bool:
+        return http_status(f"http://127.0.0.1:{self.ports.metrics}/metrics") == 200
+
     def wait_ready(self, timeout: float) -> None:
+        """Until the server is live, every model ready and the metrics endpoint answering (Triton starts
+        its metrics service after the HTTP one: a scrape right after the models were ready was refused)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
                 raise TritonStartError(f"tritonserver exited with code {self._process.returncode}")
-            if self._get("/v2/health/live") == 200 and all(self.models_ready().values()):
+            live = self._get("/v2/health/live") == 200
+            if live and all(self.models_ready().values()) and self.metrics_up():
                 log.info("tritonserver ready: %s", ", ".join(self.models))
                 return
             time.sleep(0.25)

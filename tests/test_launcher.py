@@ -34,6 +34,26 @@ def test_start_ready_and_clean_stop(cpu_repository: Path, tmp_path: Path) -> Non
     assert not list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
 
 
+def test_ready_waits_for_the_metrics_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models ready is not enough: start() returns once /metrics answers too (Triton starts it last)."""
+    import service.launcher as launcher
+
+    metrics_answers = iter([0, 0, 200])
+    asked: list[str] = []
+
+    def status(url: str, timeout: float = 2.0) -> int:
+        asked.append(url)
+        return next(metrics_answers) if url.endswith("/metrics") else 200
+
+    monkeypatch.setattr(launcher, "http_status", status)
+    server = TritonServer(tmp_path, TritonPorts(1, 2, 3))
+    server.wait_ready(timeout=5)
+    assert [url for url in asked if url.endswith("/metrics")] == ["http://127.0.0.1:3/metrics"] * 3
+    metrics_answers = iter([0] * 100)
+    with pytest.raises(TritonStartError, match="not ready"):
+        server.wait_ready(timeout=0.3)
+
+
 def test_missing_repository_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(TritonStartError, match="export defaults"):
         TritonServer(tmp_path / "nothing").start()
