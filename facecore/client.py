@@ -2,16 +2,17 @@
 benchmarks, the importer's re-embedding) and asyncio (the gateway, the importer).
 
 Requests and results follow ``facecore.contract``; every Triton error becomes a ``PipelineError``.
-The ``face_pipeline`` call, the one every recognition request makes, is sent through tritonclient's
-generated gRPC stub with its request built and its response read here (``infer_request``,
-``faces_from_response``): tritonclient's ``InferInput`` / ``InferResult`` wrappers around the same
-protobuf messages cost the gateway 0.1-0.3 ms more CPU per call (``python -m bench.gateway`` measures
-both side by side; docs/benchmarks/README.md).
+The ``face_pipeline`` call, the one every recognition request makes, is sent on the channel with its
+request serialized and its response read here (``request_bytes``, ``faces_from_response``): tritonclient's
+``InferInput`` / ``InferResult`` wrappers around the same protobuf messages cost the gateway 0.1-0.3 ms
+more CPU per call, and protobuf's own serializer copies a 280 KB photo for 0.2 ms where one join takes
+0.01 (``python -m bench.gateway`` measures the clients side by side; docs/benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any, Protocol
 
 import grpc
@@ -95,6 +96,41 @@ def infer_request(image: bytes, options: RequestOptions) -> service_pb2.ModelInf
     return request
 
 
+#: The method every face_pipeline call takes, and the tag of ``raw_input_contents`` (field 7,
+#: length-delimited) in a serialized ``ModelInferRequest``.
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+_RAW_INPUT_TAG = b"\x3a"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+@lru_cache(maxsize=256)
+def _request_parts(options: RequestOptions) -> tuple[bytes, bytes]:
+    """The serialized request without any tensor contents, and the options' contents as serialized fields."""
+    request = infer_request(b"", options)
+    contents = list(request.raw_input_contents)[1:]
+    del request.raw_input_contents[:]
+    fields = b"".join(_RAW_INPUT_TAG + _varint(len(raw)) + raw for raw in contents)
+    return request.SerializeToString(), fields
+
+
+def request_bytes(image: bytes, options: RequestOptions) -> bytes:
+    """``infer_request(image, options)`` serialized, built with one copy of the image: the message's other
+    fields serialized once per set of options, then the image's ``raw_input_contents`` field appended by
+    hand, then the options' (a parser reads a repeated field's values in the order they come)."""
+    header, options_fields = _request_parts(options)
+    length = len(image)
+    return b"".join((header, _RAW_INPUT_TAG, _varint(length + 4), length.to_bytes(4, "little"), image,
+                     options_fields))
+
+
 def faces_from_response(response: service_pb2.ModelInferResponse) -> Faces:
     """The faces of one ``face_pipeline`` response (its raw outputs, batch of one, read without a copy)."""
     arrays: dict[str, NDArray[np.generic]] = {}
@@ -148,16 +184,17 @@ class PipelineClient:
 
     def __init__(self, url: str, timeout_s: float | None = 30.0) -> None:
         self._client = grpcclient.InferenceServerClient(url)
-        # face_pipeline's calls on a channel of their own, through the generated stub (see the module's doc)
+        # face_pipeline's calls on a channel of their own, requests serialized here (see the module's doc)
         self._channel = grpc.insecure_channel(url, options=channel_options())
-        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._infer = self._channel.unary_unary(MODEL_INFER, request_serializer=None,
+                                                response_deserializer=service_pb2.ModelInferResponse.FromString)
         self._timeout = timeout_s
 
     def infer(self, image: bytes, *, score_threshold: float | None = None, max_faces: int | None = None,
               min_face_size: float | None = None, return_crops: bool = False) -> Faces:
-        request = infer_request(image, _options(score_threshold, max_faces, min_face_size, return_crops))
+        request = request_bytes(image, _options(score_threshold, max_faces, min_face_size, return_crops))
         try:
-            response = self._stub.ModelInfer(request, timeout=self._timeout)
+            response = self._infer(request, timeout=self._timeout)
         except grpc.RpcError as exc:
             raise PipelineError.from_rpc_error(exc) from exc
         return faces_from_response(response)
@@ -202,18 +239,21 @@ class PipelineClient:
 
 class AsyncPipelineClient:
     """asyncio client for the gateway and the importer; one per process, shared by requests. Every call
-    goes through tritonclient's generated stub on one channel (see the module's doc)."""
+    goes through one channel: face_pipeline's with its request serialized here, the others through
+    tritonclient's generated stub (see the module's doc)."""
 
     def __init__(self, url: str, timeout_s: float | None = 30.0) -> None:
         self._channel = grpc.aio.insecure_channel(url, options=channel_options())
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._infer = self._channel.unary_unary(MODEL_INFER, request_serializer=None,
+                                                response_deserializer=service_pb2.ModelInferResponse.FromString)
         self._timeout = timeout_s
 
     async def infer(self, image: bytes, *, score_threshold: float | None = None, max_faces: int | None = None,
                     min_face_size: float | None = None, return_crops: bool = False) -> Faces:
-        request = infer_request(image, _options(score_threshold, max_faces, min_face_size, return_crops))
+        request = request_bytes(image, _options(score_threshold, max_faces, min_face_size, return_crops))
         try:
-            response = await self._stub.ModelInfer(request, timeout=self._timeout)
+            response = await self._infer(request, timeout=self._timeout)
         except grpc.RpcError as exc:
             raise PipelineError.from_rpc_error(exc) from exc
         return faces_from_response(response)

@@ -1,15 +1,17 @@
 """The ``face_pipeline`` request built by hand and its response read by hand (``facecore.client``),
-against what tritonclient's own wrappers build and read from the same protobuf messages."""
+against what tritonclient's own wrappers build and read from the same protobuf messages; the request's
+bytes as the client sends them, against protobuf's own serialization of that message."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from google.protobuf.internal.encoder import _VarintBytes  # protobuf's own varint writer
 from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request  # what tritonclient's infer() sends
 
-from facecore.client import PipelineError, faces_from_response, infer_request
+from facecore.client import PipelineError, _varint, faces_from_response, infer_request, request_bytes
 from facecore.contract import OUTPUT_NAMES, PIPELINE_MODEL, DataType, Faces, Input, RequestOptions
 
 IMAGE = bytes(range(256)) * 40 + b"\xff\xd9"
@@ -39,6 +41,31 @@ def test_the_request_is_byte_for_byte_what_tritonclient_sends(image: bytes, opti
     ours, theirs = infer_request(image, options), tritonclient_request(image, options)
     assert ours == theirs
     assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
+
+
+@pytest.mark.parametrize("options", [
+    RequestOptions(None, None, None, False),
+    RequestOptions(None, 100, None, False),
+    RequestOptions(0.75, 3, 40.0, True),
+    RequestOptions(0.5, None, 20.5, False),
+])
+@pytest.mark.parametrize("image", [IMAGE, b"", b"\x00", bytes(123) * 1000 + b"\xff\xd9"])
+def test_the_bytes_sent_parse_as_tritonclients_request(image: bytes, options: RequestOptions) -> None:
+    """The image goes out as one join of its bytes with the rest of the message serialized ahead of it: a
+    protobuf parser reads it back as tritonclient's request, the image the first raw input, the options after
+    in order, and the bytes are as long as protobuf's own serialization."""
+    sent = request_bytes(image, options)
+    parsed = service_pb2.ModelInferRequest.FromString(sent)
+    theirs = tritonclient_request(image, options)
+    assert parsed == theirs
+    assert parsed.raw_input_contents[0] == len(image).to_bytes(4, "little") + image
+    assert len(sent) == len(theirs.SerializeToString())
+    assert request_bytes(image, options) == sent  # the cached parts are not changed by a call
+
+
+@pytest.mark.parametrize("value", [0, 1, 127, 128, 300, 16_383, 16_384, 280_004, 2**31 - 1])
+def test_varints_are_written_as_protobuf_writes_them(value: int) -> None:
+    assert _varint(value) == _VarintBytes(value)
 
 
 def response(faces: Faces, drop: str | None = None) -> service_pb2.ModelInferResponse:
