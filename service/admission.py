@@ -35,7 +35,7 @@ class Admission:
 
     @contextmanager
     def slot(self) -> Iterator[None]:
-        """One admitted request for the block (``service.deps.admitted`` holds it for the request)."""
+        """One admitted request for the block (a recognition route holds it around its work)."""
         self.enter()
         try:
             yield
@@ -45,7 +45,7 @@ class Admission:
 
 async def admit(request: Request) -> AsyncIterator[None]:
     """Admission alone, for the compatible APIs' routes (their keys are checked inside the route);
-    the native recognition routes are admitted by ``service.deps.admitted`` with their key."""
+    the native recognition routes hold ``Admitted.slot()`` (``service.deps``) around their work."""
     admission: Admission = request.app.state.admission
     with admission.slot():
         yield

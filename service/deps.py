@@ -1,19 +1,22 @@
 """Dependency aliases: the routes ask for what they need; the lifespan put it on ``app.state``.
 
-Each dependency FastAPI solves costs CPU on every request (about 60 us on the project's 2-core machines:
-FastAPI 0.16x classifies and caches every node of the tree per request), so the recognition routes, which
-nearly every request takes, ask for one: ``AdmittedDep`` / ``AdmittedCollectionDep`` check the key (and
-the collection), admit the request under the in-flight limit and hand over the use cases and the
-settings: eleven nodes became five on identify (``python -m bench.gateway`` measures the gateway's own
-CPU per identify).
+Each dependency FastAPI solves costs CPU on every request (20-60 us on the project's 2-core machines:
+FastAPI 0.16x classifies and caches every node of the tree per request, a generator dependency enters an
+exit stack), so the routes that nearly every request takes (identify, detect, verify, enroll) ask for one
+plain dependency: ``AdmittedDep`` / ``AdmittedCollectionDep`` check the key (and the collection) by calling
+the two security schemes rather than solving them, and hand over the use cases, the settings and the
+in-flight limit, whose slot the route holds around its work (``with call.slot():``, 503 ``overloaded``
+beyond the limit). Their operations list the two schemes in the OpenAPI document through
+``KEY_SECURITY``. Eleven nodes became one on identify (``python -m bench.gateway`` measures the gateway's
+own CPU per identify).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
@@ -29,6 +32,9 @@ from service.errors import ApiError, Forbidden, Unauthorized
 
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="admin or collection key")
 _bearer = HTTPBearer(auto_error=False, description="the same key as a bearer token")
+#: The OpenAPI security of an operation that takes ``AdmittedDep`` / ``AdmittedCollectionDep`` (either
+#: scheme), as FastAPI writes it for a route that solves the two schemes as dependencies.
+KEY_SECURITY: list[dict[str, list[str]]] = [{_api_key.scheme_name: []}, {_bearer.scheme_name: []}]
 
 
 async def get_settings(request: Request) -> GatewaySettings:
@@ -79,13 +85,23 @@ async def principal(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None,
 ) -> Principal:
     """Any valid key (admin or collection): 401 without one."""
-    presented = header or (bearer.credentials if bearer else None)
+    return await _authenticated(request, header or (bearer.credentials if bearer else None))
+
+
+async def _authenticated(request: Request, presented: str | None) -> Principal:
     if not presented:
         raise Unauthorized("an API key is required (X-API-Key header)")
     found = await lookup_key(request.app.state.keys, presented)
     if found is None:
         raise Unauthorized("the API key is not valid")
     return found
+
+
+async def _caller(request: Request) -> Principal:
+    """``principal`` with the two schemes called here, as FastAPI would call them, instead of solved."""
+    header = await _api_key(request)
+    bearer = None if header else await _bearer(request)
+    return await _authenticated(request, header or (bearer.credentials if bearer else None))
 
 
 CallerDep = Annotated[Principal, Depends(principal)]
@@ -110,33 +126,35 @@ CollectionAccessDep = Annotated[Principal, Depends(collection_access)]
 
 @dataclass(frozen=True)
 class Admitted:
-    """A recognition request with a valid key, inside the in-flight limit, and what its route needs."""
+    """A recognition request with a valid key, and what its route needs; the route does its work inside
+    ``slot()``."""
 
     caller: Principal
     service: Recognition
     settings: GatewaySettings
+    admission: Admission
+
+    def slot(self) -> AbstractContextManager[Any]:
+        """One of the gateway's in-flight recognition requests, for the block (503 ``overloaded`` beyond
+        the limit)."""
+        return self.admission.slot()
 
 
-@contextmanager
-def _admission(request: Request, caller: Principal) -> Iterator[Admitted]:
+def _admitted(request: Request, caller: Principal) -> Admitted:
     state = request.app.state
-    admission: Admission = state.admission
-    with admission.slot():  # 503 overloaded beyond the limit
-        yield Admitted(caller, state.faces, state.settings)
+    return Admitted(caller, state.faces, state.settings, state.admission)
 
 
-async def admitted(request: Request, caller: CallerDep) -> AsyncIterator[Admitted]:
-    """Any valid key (401 without one), then admission (503 ``overloaded``)."""
-    with _admission(request, caller) as call:
-        yield call
+async def admitted(request: Request) -> Admitted:
+    """Any valid key (401 without one)."""
+    return _admitted(request, await _caller(request))
 
 
-async def admitted_collection(request: Request, collection: str, caller: CallerDep
-                              ) -> AsyncIterator[Admitted]:
-    """The admin or a key of this collection (401; 403 for another collection's key), then admission."""
+async def admitted_collection(request: Request, collection: str) -> Admitted:
+    """The admin or a key of this collection (401; 403 for another collection's key)."""
+    caller = await _caller(request)
     await collection_access(collection, caller)
-    with _admission(request, caller) as call:
-        yield call
+    return _admitted(request, caller)
 
 
 AdmittedDep = Annotated[Admitted, Depends(admitted)]
@@ -146,15 +164,23 @@ AdmittedCollectionDep = Annotated[Admitted, Depends(admitted_collection)]
 K_DESCRIPTION = "candidates per face, at most the max_k setting (FACEREC_LIMITS__MAX_K, default 100)"
 
 
-async def top_k(request: Request, k: Annotated[int, Query(ge=1, description=K_DESCRIPTION)] = 5) -> int:
-    """``k`` within the configured limit (a setting, so not a static bound of the schema)."""
-    settings: GatewaySettings = request.app.state.settings
+#: ``k`` as a query parameter (at least 1; at most the setting, which ``within_max_k`` checks).
+TopK = Annotated[int, Query(ge=1, description=K_DESCRIPTION)]
+
+
+def within_max_k(k: int, settings: GatewaySettings) -> int:
+    """``k`` within the configured limit (a setting, so not a static bound of the schema); else 422."""
     limit = settings.limits.max_k
     if k > limit:
         error = {"loc": ["query", "k"], "msg": f"Input should be less than or equal to {limit}",
                  "type": "less_than_equal"}
         raise ApiError("the request is not valid", code="validation_error", status=422, errors=[error])
     return k
+
+
+async def top_k(request: Request, k: TopK = 5) -> int:
+    """``within_max_k`` as a dependency (the routes taking ``AdmittedCollectionDep`` call it themselves)."""
+    return within_max_k(k, request.app.state.settings)
 
 
 TopKDep = Annotated[int, Depends(top_k)]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from fastapi.routing import APIRoute
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -335,6 +336,53 @@ def test_load_beyond_the_in_flight_limit_is_shed_with_503(start_api: StartApi) -
     api.ok(api.identify("c", "obama.jpg"))
     families = {f.name: f for f in text_string_to_metric_families(api.get("/metrics").text)}
     assert families["facerec_shed_requests"].samples[0].value == statuses.count(503)
+
+
+def _admitted_routes() -> set[str]:
+    """The path templates of the app's routes that take ``AdmittedDep`` / ``AdmittedCollectionDep``."""
+    from service.app import ROUTERS
+    from service.deps import admitted, admitted_collection
+
+    return {route.path for router in ROUTERS for route in router.routes if isinstance(route, APIRoute)
+            and any(d.call in (admitted, admitted_collection) for d in route.dependant.dependencies)}
+
+
+def test_every_admitted_route_holds_a_slot_and_lists_the_key_schemes(start_api: StartApi) -> None:
+    """Each route that takes the admitted dependency (which checks the key, not the limit) holds an
+    in-flight slot around its work: with the gateway full, every one answers 503 overloaded; and each
+    lists the key's two security schemes in the OpenAPI document, as a route solving them would."""
+    from service.deps import KEY_SECURITY
+
+    api = start_api(limits={"max_in_flight": 2})
+    api.create_collection("c")
+    api.ok(api.enroll("c", "obama", "obama.jpg", params={"create": "true"}), 201)
+    image = api.files("image", "obama.jpg")
+    calls = {
+        "/v1/detect": ("/v1/detect", image),
+        "/v1/collections/{collection}/identify": ("/v1/collections/c/identify", image),
+        "/v1/collections/{collection}/identify/batch": ("/v1/collections/c/identify/batch",
+                                                        api.files("images", "obama.jpg")),
+        "/v1/verify": ("/v1/verify", api.files("image_a", "obama.jpg") + api.files("image_b", "obama2.jpg")),
+        "/v1/collections/{collection}/identities/{external_id}/verify":
+            ("/v1/collections/c/identities/obama/verify", image),
+        "/v1/collections/{collection}/identities/{external_id}/faces":
+            ("/v1/collections/c/identities/obama/faces", api.files("images", "obama2.jpg")),
+    }
+    assert _admitted_routes() == set(calls)
+    admission = api.app.state.admission
+    admission.in_flight = admission.limit
+    try:
+        for path, files in calls.values():
+            api.error(api.post(path, files=files), 503, "overloaded")
+    finally:
+        admission.in_flight = 0
+    assert admission.refused == len(calls)
+    for path, files in calls.values():
+        assert api.post(path, files=files).status_code in (200, 201), path
+    assert admission.in_flight == 0
+    document = api.app.openapi()
+    for path in calls:
+        assert document["paths"][path]["post"]["security"] == KEY_SECURITY, path
 
 
 def test_a_full_triton_queue_is_overloaded_not_unavailable() -> None:

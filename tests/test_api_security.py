@@ -15,7 +15,7 @@ import fastapi.routing
 import pytest
 from fastapi.dependencies.models import Dependant
 
-from service.deps import admin, admitted_collection, collection_access, principal
+from service.deps import admin, admitted, admitted_collection, collection_access, principal
 
 if TYPE_CHECKING:
     from tests.api_fixtures import Api
@@ -63,7 +63,7 @@ def _access(calls: set[Callable[..., Any]]) -> str:
         return "admin"
     if collection_access in calls or admitted_collection in calls:
         return "collection"
-    return "any" if principal in calls else "public"
+    return "any" if principal in calls or admitted in calls else "public"
 
 
 def routes(api: Api) -> list[Any]:

@@ -11,6 +11,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request, status
 from recognition.enrollment import EnrollmentRules, FaceChoice
 from service import schemas
 from service.deps import (
+    KEY_SECURITY,
+    Admitted,
     AdmittedCollectionDep,
     CollectionAccessDep,
     GalleryDep,
@@ -32,7 +34,7 @@ ENROLL_BODY = image_body(
      "box": {"type": "string", "description": "x1,y1,x2,y2 of the face to enroll",
              "example": "120,80,260,240"}},
     example={"images": ["<base64 JPEG>"], "face": "only"},
-)
+) | {"security": KEY_SECURITY}  # the route calls the key's schemes rather than solve them (service.deps)
 
 
 @router.post("/identities", response_model=schemas.IdentityOut, status_code=status.HTTP_201_CREATED,
@@ -101,6 +103,12 @@ async def enroll(collection: str, external_id: str, request: Request, call: Admi
                  name: Annotated[str, Query(max_length=256, description="name when creating")] = "",
                  face: FaceQuery = None, box: BoxQuery = None,
                  ) -> schemas.EnrollResponse:
+    with call.slot():
+        return await _enroll(collection, external_id, request, call, create, name, face, box)
+
+
+async def _enroll(collection: str, external_id: str, request: Request, call: Admitted, create: bool,
+                  name: str, face: FaceChoice | None, box: str | None) -> schemas.EnrollResponse:
     service, settings = call.service, call.settings
     limits = settings.limits
     uploaded = await read_images(request, ("images", "image"), limits.max_pixels, limits.max_batch_images,
