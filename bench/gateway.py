@@ -18,6 +18,14 @@ measures the two parts of it that the gateway's code decides, in this one proces
 
 CPU is this process's (all its threads, gRPC's included) per request; each figure is the median over
 rounds. Writes a Markdown section to ``--out``.
+
+    python -m bench.gateway --trees /tmp/before .   # ~4 minutes: two checkouts' gateways side by side
+
+``--trees`` measures what ``python -m bench`` reports instead, the whole gateway process (uvicorn, the app,
+the gRPC client, its threads) per REST identify, for the gateway of each source tree given (a checkout:
+``git worktree add /tmp/before <commit>``), all served at once on one Triton, the load alternating between
+them round by round in turn, so that a change to the gateway is measured against its base under the same
+machine load; with the paired difference of each tree from the first, round by round.
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,15 +54,17 @@ from fastapi import FastAPI
 from starlette.types import Message
 
 from bench.core.inputs import ROOT, load_photos
-from bench.core.load import multipart_body
+from bench.core.load import MultipartSender, multipart_body, run_load
+from bench.core.processes import Watched, free_port, start_server
 from bench.core.reporting import fmt, machine_description, markdown_table, write_section
 from bench.core.triton import triton_url
-from bench.stack import COLLECTION, ENROLLED, MAX_FACES
+from bench.stack import COLLECTION, ENROLLED, MAX_FACES, setup_collection
 from facecore.client import AsyncPipelineClient
 from facecore.contract import OUTPUT_NAMES, PIPELINE_MODEL, Faces, Input
 from facecore.settings import GatewaySettings
 from facecore.spec import ModelSpec
 from service.app import create_app
+from service.launcher import stop_process
 
 PROBE = "obama.jpg"
 
@@ -223,6 +235,89 @@ def report(runs: Runs, command: str, concurrency: int) -> str:
     return "\n\n".join(parts)
 
 
+#: Starts ``service`` (its ``__main__``) from the source tree given first on the command line.
+_BOOT = ("import runpy, sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); sys.argv[0] = 'service'; "
+         "runpy.run_module('service', run_name='__main__', alter_sys=True)")
+
+
+def _commit(tree: Path) -> str:
+    """The tree's commit as git names it, with "+ changes" when files differ from it."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "not a git checkout"
+    return commit + (" + changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def served_trees(url: str, trees: Sequence[Path], rounds: int, seconds: float, concurrency: int,
+                 log_dir: Path) -> dict[str, list[float]]:
+    """Gateway process CPU ms per REST identify of ``PROBE``, per tree and round: every tree's gateway
+    served at once on Triton at ``url``, the load alternating between them (the order turning each round)."""
+    photos = load_photos([ENROLLED, PROBE])
+    served: dict[str, tuple[Any, str, str]] = {}
+    cpu: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-trees-") as folder:
+        try:
+            for number, tree in enumerate(trees):
+                label, work = f"{number + 1}. {tree} ({_commit(tree)})", Path(folder) / str(number)
+                admin, port = secrets.token_urlsafe(24), free_port()
+                env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": admin,
+                       "FACEREC_DATABASE__URL": f"sqlite:///{work / 'gallery.db'}",
+                       "FACEREC_GALLERY__SNAPSHOT_DIR": str(work / "index"), "FACEREC_LOG_LEVEL": "WARNING"}
+                work.mkdir()
+                base = f"http://127.0.0.1:{port}"
+                command = [sys.executable, "-c", _BOOT, str(tree.resolve()), "--triton-url", url, "--host",
+                           "127.0.0.1", "--port", str(port), "--admin-key-file", str(work / "admin_key")]
+                process = start_server(command, env, log_dir / f"bench-gateway-tree{number}.log",
+                                       f"{base}/health/ready")
+                served[label] = (process, base, "")  # stopped below should the set-up fail
+                served[label] = (process, base, setup_collection(base, admin, photos[ENROLLED]))
+            for number in range(rounds):
+                shift = number % len(served)
+                for label in [*list(served)[shift:], *list(served)[:shift]]:
+                    process, base, key = served[label]
+                    sender = MultipartSender(f"{base}/v1/collections/{COLLECTION}/identify", "image", PROBE,
+                                             photos[PROBE], {"X-API-Key": key})
+                    try:
+                        row = run_load("REST identify", PROBE, sender, concurrency, seconds,
+                                       [Watched("gateway", process.pid, tree=False)])
+                    finally:
+                        sender.close()
+                    if row.errors:
+                        raise RuntimeError(f"{label}: {row.errors} of {row.requests} requests failed")
+                    cpu.setdefault(label, []).append(row.cpu_ms["gateway"])
+                    log.info("round %d %s: %.3f ms gateway CPU per identify, %.1f images/s", number + 1,
+                             label, row.cpu_ms["gateway"], row.throughput)
+        finally:
+            for process, _, _ in served.values():
+                stop_process(process)
+    return cpu
+
+
+def trees_report(cpu: dict[str, list[float]], command: str, concurrency: int, seconds: float) -> str:
+    first = next(iter(cpu.values()))
+
+    def paired(values: list[float]) -> str:
+        if values is first:
+            return "—"
+        return fmt(statistics.median(v - f for v, f in zip(values, first, strict=True)), 3)
+
+    rows = [[label, fmt(statistics.median(values), 3), paired(values), ", ".join(fmt(v, 3) for v in values)]
+            for label, values in cpu.items()]
+    return "\n\n".join([
+        "## The gateway of several source trees side by side (`bench/gateway.py --trees`)",
+        f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \n"
+        f"Machine: {machine_description(serving=True)}",
+        f"REST identify of {PROBE} (1 face) against a collection holding {ENROLLED}, concurrency "
+        f"{concurrency}, {fmt(seconds, 0)} s per round and tree, every tree's gateway served at once on one "
+        "Triton and the load alternating between them; CPU of each gateway process (all its threads) per "
+        "request, as `python -m bench` reports it.",
+        markdown_table(["source tree", "gateway CPU ms per identify (median)",
+                        "paired difference from the first (median)", "rounds"], rows),
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -234,14 +329,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="(default: %(default)s)")
     parser.add_argument("--triton-url", help="a running Triton's gRPC address serving the model repository "
                         "(default: the bundled tritonserver, started for the run)")
+    parser.add_argument("--trees", type=Path, nargs="+", help="instead: the whole gateway process of each of "
+                        "these source trees, served side by side (see above)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="with --trees: seconds per round and "
+                        "tree (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "README.md")
     args = parser.parse_args(argv)
     if args.requests < args.concurrency or args.rounds < 1:
         parser.error("--requests must be at least --concurrency, --rounds at least 1")
+    for tree in args.trees or ():
+        if not (tree / "service" / "__main__.py").is_file():
+            parser.error(f"--trees: {tree} is not a source tree of this project (no service/__main__.py)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    command = "python -m bench.gateway " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.trees:
+        with triton_url(args.triton_url) as url:
+            cpu = served_trees(url, args.trees, args.rounds, args.seconds, args.concurrency,
+                               ROOT / "artifacts")
+        text = trees_report(cpu, command, args.concurrency, args.seconds)
+        print(text)
+        write_section(args.out, "bench.gateway.trees", text)
+        return 0
     with triton_url(args.triton_url) as url:
         runs = uvloop.run(measure(url, args.requests, args.rounds, args.concurrency, args.parts))
-    command = "python -m bench.gateway " + " ".join(argv if argv is not None else sys.argv[1:])
     text = report(runs, command, args.concurrency)
     print(text)
     write_section(args.out, "bench.gateway", text)
