@@ -19,7 +19,7 @@ measures the two parts of it that the gateway's code decides, in this one proces
 CPU is this process's (all its threads, gRPC's included) per request; each figure is the median over
 rounds. Writes a Markdown section to ``--out``.
 
-    python -m bench.gateway --trees /tmp/before .   # ~4 minutes: two checkouts' gateways side by side
+    python -m bench.gateway --trees /tmp/before .   # ~3 minutes: two checkouts' gateways side by side
 
 ``--trees`` measures what ``python -m bench`` reports instead, the whole gateway process (uvicorn, the app,
 the gRPC client, its threads) per REST identify, for the gateway of each source tree given (a checkout:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Query, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
@@ -85,10 +85,7 @@ async def principal(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None,
 ) -> Principal:
     """Any valid key (admin or collection): 401 without one."""
-    return await _authenticated(request, header or (bearer.credentials if bearer else None))
-
-
-async def _authenticated(request: Request, presented: str | None) -> Principal:
+    presented = header or (bearer.credentials if bearer else None)
     if not presented:
         raise Unauthorized("an API key is required (X-API-Key header)")
     found = await lookup_key(request.app.state.keys, presented)
@@ -100,8 +97,7 @@ async def _authenticated(request: Request, presented: str | None) -> Principal:
 async def _caller(request: Request) -> Principal:
     """``principal`` with the two schemes called here, as FastAPI would call them, instead of solved."""
     header = await _api_key(request)
-    bearer = None if header else await _bearer(request)
-    return await _authenticated(request, header or (bearer.credentials if bearer else None))
+    return await principal(request, header, None if header else await _bearer(request))
 
 
 CallerDep = Annotated[Principal, Depends(principal)]
@@ -134,7 +130,7 @@ class Admitted:
     settings: GatewaySettings
     admission: Admission
 
-    def slot(self) -> AbstractContextManager[Any]:
+    def slot(self) -> AbstractContextManager[None]:
         """One of the gateway's in-flight recognition requests, for the block (503 ``overloaded`` beyond
         the limit)."""
         return self.admission.slot()
