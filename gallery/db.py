@@ -20,8 +20,10 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, Executable, create_engine, event, text
+from sqlalchemy import Engine, Executable, create_engine, event, exc, text
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,10 @@ class Database:
         with self.engine.connect() as connection:
             return [tuple(row) for row in connection.execute(statement, parameters or {})]
 
+    def polled(self, statement: ClauseElement) -> Polled:
+        """``statement`` made ready to be run many times a second (see ``Polled``)."""
+        return Polled(self.engine, statement)
+
     @contextmanager
     def write(self) -> Iterator[Session]:
         with self._write() as session, session.begin():
@@ -167,3 +173,42 @@ class Database:
             return True
         except Exception:  # any driver error means "not reachable" to a health check
             return False
+
+
+class Polled:
+    """One read-only statement that a process runs several times a second: the change log every gateway
+    and importer follows, the key table every gateway watches (``follow_interval_s``, 0.2 s). Its SQL is
+    compiled once for the engine's dialect and run on a pooled DB-API connection, below SQLAlchemy's
+    execution layer (its events, the BEGIN and ROLLBACK it issues on SQLite, result processing). Measured
+    on SQLite, the gallery's follower and the key watch running every 0.2 s as in a gateway (the process's
+    CPU over 20 s, a throwaway script): 6.7-6.9 ms of CPU per second through ``Database.fetch``, 2.9 ms
+    this way. Rows come as the driver returns them, so the statement's columns and parameters must be
+    plain (integers, strings, counts: no type with a result or bind processor); a driver error is raised as
+    SQLAlchemy's (``OperationalError`` for a database that went away) and its connection discarded."""
+
+    def __init__(self, engine: Engine, statement: ClauseElement) -> None:
+        self._engine = engine
+        compiled = statement.compile(dialect=engine.dialect)
+        if not isinstance(compiled, SQLCompiler):
+            raise TypeError(f"not a SQL statement: {statement!r}")
+        self._compiled, self._sql = compiled, compiled.string
+        self._positions = list(compiled.positiontup or []) if engine.dialect.positional else None
+
+    def rows(self, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        values = self._compiled.construct_params(parameters or {}) or {}
+        arguments: Any = values if self._positions is None else [values[name] for name in self._positions]
+        driver_error = self._engine.dialect.loaded_dbapi.Error
+        connection = self._engine.raw_connection()
+        try:
+            cursor = connection.cursor()
+            try:
+                cursor.execute(self._sql, arguments)
+                return [tuple(row) for row in cursor.fetchall()]
+            finally:
+                cursor.close()
+        except driver_error as error:
+            connection.invalidate(error)
+            raise exc.DBAPIError.instance(self._sql, arguments, error, driver_error,
+                                          dialect=self._engine.dialect) from error
+        finally:
+            connection.close()

@@ -38,6 +38,7 @@ class KeyInfo:
 class KeyRecords:
     def __init__(self, db: Database) -> None:
         self.db = db
+        self._signature = db.polled(_SIGNATURE)
 
     def find(self, key_hash: str) -> tuple[int, str] | None:
         """(key id, collection name) of a key that is not revoked, by its hash."""
@@ -46,7 +47,7 @@ class KeyRecords:
 
     def signature(self) -> tuple[int, int, int]:
         """(keys, revoked keys, sum of key ids): it changes whenever a key is revoked or deleted."""
-        count, revoked, total = self.db.fetch(_SIGNATURE)[0]
+        count, revoked, total = self._signature.rows()[0]
         return int(count), int(revoked), int(total)
 
     @staticmethod

@@ -114,6 +114,7 @@ class GalleryStore:
 
     def __init__(self, db: Database) -> None:
         self.db = db
+        self._changes = db.polled(_CHANGES)
 
     # --- collections ------------------------------------------------------------------------
 
@@ -320,7 +321,7 @@ class GalleryStore:
     def changes_since(self, seq: int, limit: int = 10_000) -> list[Change]:
         """Log rows after ``seq``, in order (every replica asks this every follower interval)."""
         return [Change(int(s), int(c), int(f), int(i), ChangeOp(op))
-                for s, c, f, i, op in self.db.fetch(_CHANGES, {"seq": seq, "limit": limit})]
+                for s, c, f, i, op in self._changes.rows({"seq": seq, "limit": limit})]
 
     def last_seq(self) -> int:
         return int(self.db.fetch(_LAST_SEQ)[0][0] or 0)
