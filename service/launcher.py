@@ -258,14 +258,9 @@ class TritonServer:
             leftover.unlink(missing_ok=True)
         return left
 
-    def wait(self, timeout: float) -> int | None:
-        """The exit code once the server has exited, or None while it still runs after ``timeout``."""
-        if self._process is None:
-            return None
-        try:
-            return self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+    def exit_code(self) -> int | None:
+        """The exit code once the server has exited, None while it runs (or before it started)."""
+        return None if self._process is None else self._process.poll()
 
     @property
     def running(self) -> bool:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,7 @@ import pytest
 
 from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer, group_members
-from service.supervisor import Supervisor, backoff
+from service.supervisor import WATCH_S, Supervisor, backoff
 from tests.conftest import ROOT, free_ports
 
 pytestmark = pytest.mark.triton
@@ -180,3 +181,57 @@ def _status(call: Callable[[], httpx.Response]) -> int:
         return call().status_code
     except httpx.HTTPError:
         return 0
+
+
+@dataclass
+class SleepingServer:
+    """A stand-in for TritonServer around a real child process (``sleep``), for the supervisor's watch."""
+
+    shm_prefix: str = "facerec_test_"
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, _timeout: float) -> SleepingServer:
+        return replace(self, process=subprocess.Popen(["sleep", "60"]))
+
+    def exit_code(self) -> int | None:
+        assert self.process is not None
+        return self.process.poll()
+
+    def wait(self, timeout: float) -> int | None:  # what the watch called before it looked every WATCH_S
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def reap(self) -> list[int]:
+        return []
+
+    def stop(self) -> int | None:
+        if self.process is not None:
+            self.process.kill()
+            return self.process.wait()
+        return None
+
+
+def test_the_watch_of_a_running_server_sleeps_between_looks() -> None:
+    """It wakes about twice a second (Popen.wait(0.5) woke ~20 times: 3 ms of CPU per second in every
+    ``python -m service``), and still notices a death within a look."""
+    supervisor = Supervisor(SleepingServer(), steps=(60.0,)).start()  # type: ignore[arg-type]
+    try:
+        assert supervisor._thread is not None and supervisor._thread.native_id is not None
+        status = Path(f"/proc/self/task/{supervisor._thread.native_id}/status")
+
+        def switches() -> int:
+            return int(next(line.split()[1] for line in status.read_text().splitlines()
+                            if line.startswith("voluntary_ctxt_switches")))
+
+        before = switches()
+        time.sleep(2.0)
+        assert switches() - before <= 8, "the watch woke more than about every WATCH_S"
+        assert supervisor.server is not None and supervisor.server.process is not None
+        supervisor.server.process.kill()
+        waited = wait_for(lambda: not supervisor.status().up, 5, "the supervisor notices")
+        assert waited < 2 * WATCH_S + 0.5 and "exited with code -9" in supervisor.status().detail
+    finally:
+        supervisor.stop()
