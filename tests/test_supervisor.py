@@ -197,13 +197,6 @@ class SleepingServer:
         assert self.process is not None
         return self.process.poll()
 
-    def wait(self, timeout: float) -> int | None:  # what the watch called before it looked every WATCH_S
-        assert self.process is not None
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
     def reap(self) -> list[int]:
         return []
 
