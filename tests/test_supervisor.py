@@ -20,6 +20,7 @@ import pytest
 
 from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer, group_members
+from service.readiness import PROBE_TIMEOUT_S, RETRY_S
 from service.supervisor import WATCH_S, Supervisor, backoff
 from tests.conftest import ROOT, free_ports
 
@@ -159,7 +160,8 @@ def test_the_local_stack_heals_itself(cpu_repository: Path, tmp_path: Path,
 
         took = wait_for(lambda: _status(detect) == 200, 120, "recognition after the restart")
         assert len(detect().json()["faces"]) == 6
-        assert ready().json()["ready"] is True
+        # a probe that failed while the new run's channel reconnected is reused for up to RETRY_S
+        wait_for(lambda: ready().json()["ready"] is True, RETRY_S + PROBE_TIMEOUT_S, "ready again")
         assert service.poll() is None, "the gateway itself was not restarted"
         restarted = tritonserver_child(service.pid)
         assert restarted is not None and restarted != server
