@@ -150,7 +150,7 @@ class FaceIndex:
         if not self._ids:
             return np.full((len(queries), 0), -np.inf, np.float32), np.full((len(queries), 0), -1, np.int64)
         fetch = k + len(self._tombstones)
-        with threads_for(len(queries) * len(self._ids) * self.dimension):
+        with threads_for(len(queries), len(queries) * len(self._ids) * self.dimension):
             scores, ids = self._index.search(queries, fetch)
         if self._tombstones:
             dead = np.isin(ids, np.fromiter(self._tombstones, dtype=np.int64))

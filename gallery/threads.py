@@ -4,10 +4,13 @@ FAISS spreads a search over OpenMP threads, and libgomp's idle workers then spin
 parallel region, for a few milliseconds of CPU. For the searches a gateway mostly does (one query, a
 collection of hundreds or thousands of faces: well under a millisecond of work) that spin cost more than
 the search itself: 5.8 ms of CPU per search, spaced like requests, against 0.3 ms on one thread, taken
-from the Triton process on the same cores. So small searches run on the calling thread alone and large
-ones (big collections, batches) on all of FAISS's threads. ``omp_set_num_threads`` sets the calling
-thread's own count (libgomp keeps it per thread), so it is set around every search, in the thread that
-searches, and put back after it (an index build in the same thread keeps all of them).
+from the Triton process on the same cores. A lone query gains nothing from a second thread either: FAISS
+1.15's exact search splits its work by query, and with two threads a lone query over 1M x 128 took 70-73 ms
+and 136 ms of CPU against 26 ms and 25-27 ms on one (2-core AMD EPYC, 2026-12-03), where two or more
+queries took 12-15 ms each on two threads against 23-26 on one. So small searches and lone queries run
+on the calling thread alone, and large batches on all of FAISS's threads. ``omp_set_num_threads`` sets
+the calling thread's own count (libgomp keeps it per thread), so it is set around every search, in the
+thread that searches, and put back after it (an index build in the same thread keeps all of them).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ SMALL_WORK = 1 << 23
 
 
 @contextlib.contextmanager
-def threads_for(work: int) -> Iterator[None]:
-    """The calling thread searches on one OpenMP thread inside this block when ``work`` (multiply-adds)
-    is small, and on its usual count otherwise; the count it had is put back after."""
+def threads_for(queries: int, work: int) -> Iterator[None]:
+    """The calling thread searches on one OpenMP thread inside this block when it searches one query or
+    ``work`` (multiply-adds) is small, and on its usual count otherwise; the count it had is put back
+    after."""
     previous = faiss.omp_get_max_threads()
-    if work >= SMALL_WORK or previous == 1:
+    if (queries > 1 and work >= SMALL_WORK) or previous == 1:
         yield
         return
     faiss.omp_set_num_threads(1)

@@ -197,6 +197,30 @@ def test_a_small_search_runs_on_one_thread_and_puts_the_count_back() -> None:
     assert seen == {"searches": [1, 2], "after small": 2, "after large": 2}
 
 
+def test_a_lone_query_runs_on_one_thread_however_large_the_collection() -> None:
+    """One query over a collection large enough for all of FAISS's threads still runs on one: FAISS's
+    exact search splits its work by query, and two threads made a lone query slower and five times
+    costlier (gallery/threads.py); two queries over the same collection get the thread's usual count."""
+    seen: dict[str, object] = {}
+
+    def run() -> None:
+        faiss.omp_set_num_threads(2)
+        rng = np.random.default_rng(4)
+        index = FaceIndex(DIM)
+        size = SMALL_WORK // DIM + 1  # one query's work reaches the limit
+        index.add(np.arange(1, size + 1), unit_vectors(rng, size, DIM))
+        spy = _SeesThreads(index._index)
+        index._index = spy
+        index.search(unit_vectors(rng, 1, DIM), 5)
+        index.search(unit_vectors(rng, 2, DIM), 5)
+        seen["searches"], seen["after"] = spy.seen, faiss.omp_get_max_threads()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert seen == {"searches": [1, 2], "after": 2}
+
+
 def test_face_index_tombstone_search_skips_dead_neighbours() -> None:
     """With many tombstones among the nearest neighbours the top k still holds k live ids."""
     rng = np.random.default_rng(8)
