@@ -369,3 +369,42 @@ def test_replica_sees_each_change_within_a_second(follower: tuple[Lines, Gallery
         writer.sync()
         assert writer.face_ids("r") == set(expected)
     assert max(latencies) < 1.0, latencies
+
+
+def lock_is_free(lock: Any) -> bool:
+    """Whether another thread could take ``lock`` now (a search waiting for the gallery's lock)."""
+    taken: list[bool] = []
+
+    def probe() -> None:
+        taken.append(lock.acquire(blocking=False))
+        if taken[0]:
+            lock.release()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return taken[0]
+
+
+def test_a_follower_reads_the_log_without_holding_searches_up(store: GalleryStore, engine: Engine,
+                                                              make_gallery: GalleryFactory,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(31)
+    store.create_collection("r", MODEL, DIM, 0.5)
+    enroll(store, rng, "r", "alice", 2)
+    gallery = make_gallery(store)
+    gallery.load()
+    free: list[bool] = []
+    changes_since = gallery.store.changes_since
+
+    def reading(seq: int, limit: int = 10_000) -> Any:
+        free.append(lock_is_free(gallery._lock))
+        return changes_since(seq, limit)
+
+    monkeypatch.setattr(gallery.store, "changes_since", reading)
+    assert gallery.sync() == 0  # an interval with nothing new: one read, searches free to go on
+    assert free == [True]
+    enroll(store, rng, "r", "bob", 1)
+    assert gallery.sync() == 1  # something new: applied under the lock, as before
+    assert free[0] and False in free[1:]
+    assert_gallery_matches_db(gallery, engine, "r", DIM)

@@ -75,6 +75,52 @@ def test_position_is_recorded_and_a_second_gateway_applies_nothing_twice(store: 
     assert_gallery_matches_db(second, engine, "c", DIM)
 
 
+def test_an_idle_follower_asks_neither_milvus_nor_the_database_lock(store: GalleryStore, engine: Engine,
+                                                                   engines: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    enroll(store, "c", 3, rng)
+    first, second = Gallery(store, engine=engines("idle")), Gallery(store, engine=engines("idle"))
+    first.load()
+    second.load()
+    asked: list[str] = []
+    for gallery in (first, second):
+        position, exclusive = gallery.engine.position, gallery.store.db.exclusive
+        monkeypatch.setattr(gallery.engine, "position", lambda p=position: asked.append("position") or p())
+        monkeypatch.setattr(gallery.store.db, "exclusive",
+                            lambda key, e=exclusive: asked.append("lock") or e(key))
+    for _ in range(5):  # a follower's intervals with nothing new in the log
+        assert first.sync() == 0 and second.sync() == 0
+    assert asked == []
+    enroll(store, "c", 1, rng)  # another process's change: the next interval applies it, through the lock
+    assert second.sync() == 2 and "position" in asked and "lock" in asked
+    assert second.engine.position() == store.last_seq()
+    assert_gallery_matches_db(second, engine, "c", DIM)
+
+
+def test_a_sync_that_failed_is_run_again_in_full(store: GalleryStore, engine: Engine, engines: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(8)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    enroll(store, "c", 2, rng)
+    gallery = Gallery(store, engine=engines("failed"))
+    gallery.load()
+    enroll(store, "c", 1, rng)
+    record = gallery.engine.record
+
+    def unreachable(seq: int) -> None:
+        raise ConnectionError("Milvus went away")
+
+    monkeypatch.setattr(gallery.engine, "record", unreachable)
+    with pytest.raises(ConnectionError):
+        gallery.sync()  # applied, but Milvus's position not recorded
+    monkeypatch.setattr(gallery.engine, "record", record)
+    gallery.sync()  # nothing new in the log since, yet the position is recorded now
+    assert gallery.engine.position() == store.last_seq()
+    assert_gallery_matches_db(gallery, engine, "c", DIM)
+
+
 def test_gateways_hold_no_vectors(store: GalleryStore, engines: Any) -> None:
     rng = np.random.default_rng(2)
     store.create_collection("c", MODEL, DIM, 0.5)
