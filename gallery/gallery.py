@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,9 @@ class SearchResult:
 class _Collection:
     info: CollectionInfo
     index: CollectionIndex
+    #: held while the index is searched or changed (adds, removes, a dropped collection forgotten), not
+    #: while it is written to a snapshot (a read: changes wait for the gallery's lock, held by the snapshot)
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 def open_gallery(store: GalleryStore, settings: Settings, snapshot_dir: Path | None = None) -> Gallery:
@@ -100,7 +103,11 @@ def open_gallery(store: GalleryStore, settings: Settings, snapshot_dir: Path | N
 
 
 class Gallery:
-    """Thread-safe: one lock guards the indexes; the database does its own locking.
+    """Thread-safe. The gallery's lock orders what changes the set of indexes and what they hold (syncs,
+    loads, rebuilds, snapshots); each collection's own lock is held while its index is searched or
+    changed, so a search waits only for a change to its own index, never for a database read, another
+    collection's search or a snapshot being written; the labels have a lock of their own. The database
+    does its own locking.
 
     ``engine`` holds the vectors (default: FAISS in this process, with snapshots in ``snapshot_dir``);
     ``batcher`` gathers concurrent searches of one collection into one engine call.
@@ -127,6 +134,7 @@ class Gallery:
         #: that began before such a change was applied
         self._labels: dict[int, tuple[str, str]] = {}
         self._label_generation = 0
+        self._labels_lock = threading.Lock()
         self.loaded = False
         #: collections whose index is being chosen again in the background (they outgrew exact search),
         #: and when such a choice last failed (tried again only after ``RESELECT_RETRY_S``)
@@ -293,12 +301,12 @@ class Gallery:
                 if self._collections.get(info.id) is not entry:
                     self._reselections["outdated"] += 1
                     return  # dropped, re-embedded or rebuilt meanwhile: this build is out of date
-                start = since
+                start, fresh = since, _Collection(info, built)
                 while start < self._applied and (changes := self.store.changes_since(start)):
                     mine = [c for c in changes if c.seq <= self._applied and c.collection_id == info.id]
-                    self._apply_to(built, info, [c for c in mine if c.op is not ChangeOp.RELABEL])
+                    self._apply_to(fresh, [c for c in mine if c.op is not ChangeOp.RELABEL])
                     start = changes[-1].seq
-                self._collections[info.id] = _Collection(info, built)
+                self._collections[info.id] = fresh
                 self._erased.add(info.name)  # persisted within seconds: a restart loads the new kind
                 self._reselections["chosen"] += 1
             log.info("collection %s: new index in %.1f s (%d faces)", info.name, time.perf_counter() - began,
@@ -314,9 +322,9 @@ class Gallery:
 
     def reselection_state(self) -> tuple[int, dict[str, int]]:
         """Collections whose index is being chosen again in the background now, and the selections
-        finished so far by outcome (``RESELECT_OUTCOMES``): for the metrics."""
-        with self._lock:
-            return len(self._reselecting), dict(self._reselections)
+        finished so far by outcome (``RESELECT_OUTCOMES``): for the metrics, read on the event loop, so
+        without the lock (``sizes``; ``len`` and copying a dict are atomic)."""
+        return len(self._reselecting), dict(self._reselections)
 
     def join_reselections(self, timeout: float | None = None) -> None:
         """Wait for the background index selections under way (tests, shutdown)."""
@@ -331,9 +339,10 @@ class Gallery:
             if change.op is ChangeOp.RELABEL:
                 continue  # the engines hold no labels
             if change.op is ChangeOp.DROP:
-                self._collections.pop(change.collection_id, None)
+                dropped = self._collections.pop(change.collection_id, None)
                 if change.seq > engine_at:
-                    self.engine.forget(change.collection_id)
+                    with dropped.lock if dropped is not None else nullcontext():  # searches under way end
+                        self.engine.forget(change.collection_id)
                 self._erased.add("")  # snapshot("") prunes the dropped collection's files
                 by_collection.pop(change.collection_id, None)
             elif change.seq > engine_at:
@@ -342,23 +351,27 @@ class Gallery:
             entry = self._collections.get(collection_id)
             if entry is None:
                 continue  # built lazily from the database when first used
-            self._apply_to(entry.index, entry.info, items)
+            self._apply_to(entry, items)
 
-    def _apply_to(self, index: CollectionIndex, info: CollectionInfo, items: list[Change]) -> None:
-        """Apply one collection's adds and removes, in order, to ``index``."""
+    def _apply_to(self, entry: _Collection, items: list[Change]) -> None:
+        """Apply one collection's adds and removes, in order, to its index (the vectors added are read
+        from the database first, outside the index's lock)."""
+        info, index = entry.info, entry.index
         added = [c.face_id for c in items if c.op is ChangeOp.ADD]
         vectors = self.store.vectors(added, info.dimension) if added else {}
         # in seq order, a run of adds or of removes at a time: an add then a remove of the same
         # face ends removed (a face whose row is gone, removed later in the log, is not added)
-        for op, run in groupby(items, key=lambda c: c.op):
-            if op is ChangeOp.ADD:
-                adds = [c for c in run if c.face_id in vectors]
-                if adds:
-                    index.add(np.array([c.face_id for c in adds]), np.array([c.identity_id for c in adds]),
-                              np.stack([vectors[c.face_id] for c in adds]))
-            elif op is ChangeOp.REMOVE:
-                index.remove(np.array([c.face_id for c in run]))
-                self._erased.add(info.name)
+        with entry.lock:
+            for op, run in groupby(items, key=lambda c: c.op):
+                if op is ChangeOp.ADD:
+                    adds = [c for c in run if c.face_id in vectors]
+                    if adds:
+                        index.add(np.array([c.face_id for c in adds]),
+                                  np.array([c.identity_id for c in adds]),
+                                  np.stack([vectors[c.face_id] for c in adds]))
+                elif op is ChangeOp.REMOVE:
+                    index.remove(np.array([c.face_id for c in run]))
+                    self._erased.add(info.name)
 
     def _forget_labels(self, changes: list[Change]) -> None:
         """Labels these changes may have made wrong: the identity's (faces removed, possibly with it, or a
@@ -367,22 +380,23 @@ class Gallery:
         dropped = any(c.op is ChangeOp.DROP for c in changes)
         if not stale and not dropped:
             return
-        if dropped:
-            self._labels.clear()
-        for identity in stale:
-            self._labels.pop(identity, None)
-        self._label_generation += 1  # a read begun before these changes may hold what they replaced
+        with self._labels_lock:
+            if dropped:
+                self._labels.clear()
+            for identity in stale:
+                self._labels.pop(identity, None)
+            self._label_generation += 1  # a read begun before these changes may hold what they replaced
 
     def _labels_for(self, identity_ids: AbstractSet[int]) -> dict[int, tuple[str, str]]:
         """(external_id, name) of these identities: remembered ones, the rest from the database (an
         identity deleted there is left out)."""
-        with self._lock:
+        with self._labels_lock:
             known = {i: self._labels[i] for i in identity_ids if i in self._labels}
             generation = self._label_generation
         missing = identity_ids - known.keys()
         if missing:
             read = self.store.identity_labels(missing)
-            with self._lock:
+            with self._labels_lock:
                 if generation == self._label_generation:  # no change to labels applied meanwhile
                     if len(self._labels) + len(read) > MAX_LABELS:
                         self._labels.clear()
@@ -402,10 +416,9 @@ class Gallery:
     # --- queries -----------------------------------------------------------------------------
 
     def _entry(self, collection: str) -> _Collection:
-        with self._lock:
-            for entry in self._collections.values():
-                if entry.info.name == collection:
-                    return entry
+        entry = self._loaded(collection)
+        if entry is not None:
+            return entry
         info = self.store.get_collection(collection)  # raises NotFound
         self.sync()
         with self._lock, self._exclusive():
@@ -416,9 +429,10 @@ class Gallery:
             return self._collections[info.id]
 
     def sizes(self) -> dict[str, int]:
-        """Faces per loaded collection index, by collection name."""
-        with self._lock:
-            return {entry.info.name: len(entry.index) for entry in self._collections.values()}
+        """Faces per loaded collection index, by collection name. Without the lock (copying the dict's
+        values is atomic): the event loop calls it (metrics, the collection list), and the lock can be held
+        for seconds (a snapshot of a million faces being written, an index rebuilt)."""
+        return {entry.info.name: len(entry.index) for entry in list(self._collections.values())}
 
     def size(self, collection: str) -> int:
         return len(self._entry(collection).index)
@@ -470,7 +484,7 @@ class Gallery:
         fetch = _depth(k) + len(exclude)
 
         def search(batch: NDArray[np.float32], depth: int) -> tuple[NDArray[Any], ...]:
-            with self._lock:
+            with entry.lock:
                 return entry.index.search(batch, depth)
 
         best = self._ranked(entry, matrix, k, exclude, self.batcher.search(info.id, matrix, fetch, search))
@@ -480,7 +494,7 @@ class Gallery:
                       ) -> list[SearchResult] | None:
         """``search`` on the calling thread (the event loop), or None when it cannot answer at once: the
         engine is not in this process, the collection is not loaded here, the search is larger than
-        ``INLINE_WORK``, the lock is held (a sync may be reading the database), or a label is not
+        ``INLINE_WORK``, the index is being searched or changed in another thread, or a label is not
         remembered. Then ``search`` (in a worker thread) answers, and remembers the labels."""
         if self.engine.shared or k < 1:
             return None
@@ -492,18 +506,23 @@ class Gallery:
         fetch = _depth(k)
         if matrix.shape[0] * max(len(entry.index), fetch) * info.dimension > INLINE_WORK:
             return None
-        if not self._lock.acquire(blocking=False):
+        if not entry.lock.acquire(blocking=False):
             return None
         try:
             if self._collections.get(info.id) is not entry:
                 return None  # replaced while this call looked
             best = self._ranked(entry, matrix, k, frozenset(), entry.index.search(matrix, fetch))
-            wanted = _identities(best)
+        finally:
+            entry.lock.release()
+        wanted = _identities(best)
+        if not self._labels_lock.acquire(blocking=False):
+            return None
+        try:
             if not wanted <= self._labels.keys():
                 return None
             labels = {i: self._labels[i] for i in wanted}
         finally:
-            self._lock.release()
+            self._labels_lock.release()
         return self._results(best, labels, info, threshold)
 
     def _ranked(self, entry: _Collection, matrix: NDArray[np.float32], k: int, exclude: AbstractSet[int],
@@ -536,7 +555,7 @@ class Gallery:
                 ranked = sorted(best.items(), key=lambda item: (-item[1][0], item[0]))[:k]
                 return [(identity, score, face) for identity, (score, face) in ranked]
             fetch = min(total, fetch * 4)
-            with self._lock:
+            with entry.lock:
                 scores, ids, owners = entry.index.search(query[None], fetch)
 
     def require_model(self, collection: str, embedding_model: str) -> CollectionInfo:

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 from sqlalchemy import Engine, inspect
 
 from gallery.db import Database, create_db_engine, migrate
@@ -407,4 +408,116 @@ def test_a_follower_reads_the_log_without_holding_searches_up(store: GalleryStor
     enroll(store, rng, "r", "bob", 1)
     assert gallery.sync() == 1  # something new: applied under the lock, as before
     assert free[0] and False in free[1:]
+    assert_gallery_matches_db(gallery, engine, "r", DIM)
+
+
+def finishes(call: Callable[[], object], within_s: float = 5.0) -> bool:
+    """Whether ``call`` returns within ``within_s`` on another thread (it may still be waiting after)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(within_s)
+    return not thread.is_alive()
+
+
+@contextlib.contextmanager
+def while_held(monkeypatch: pytest.MonkeyPatch, target: Any, name: str, call: Callable[[], object]
+               ) -> Iterator[None]:
+    """The block runs while ``call``, on another thread, is held inside ``target.name`` (made to wait
+    there until the block ends)."""
+    reached, release = threading.Event(), threading.Event()
+    original = getattr(target, name)
+
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        reached.set()
+        assert release.wait(30), "never released"
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, waiting)
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        assert reached.wait(10), f"{name} was not reached"
+        yield
+    finally:
+        release.set()
+        thread.join(30)
+
+
+def two_collections(store: GalleryStore, make_gallery: GalleryFactory, rng: np.random.Generator
+                    ) -> tuple[Gallery, NDArray[np.float32]]:
+    """A loaded gallery of collections ``a`` and ``b``, and a query."""
+    for name in ("a", "b"):
+        store.create_collection(name, MODEL, DIM, 0.5)
+        enroll(store, rng, name, "alice", 2)
+    gallery = make_gallery(store)
+    gallery.load()
+    return gallery, unit_vectors(rng, 1, DIM)
+
+
+def test_searches_wait_for_no_database_read_of_a_sync(store: GalleryStore, engine: Engine,
+                                                      make_gallery: GalleryFactory,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(32)
+    gallery, query = two_collections(store, make_gallery, rng)
+    enroll(store, rng, "a", "bob", 3)  # the next sync reads these vectors from the database...
+    with while_held(monkeypatch, gallery.store, "vectors", gallery.sync):  # ... under the gallery's lock
+        assert finishes(lambda: gallery.search("b", query)), "another collection's search waited"
+        assert finishes(lambda: gallery.search("a", query)), "a search of the collection itself waited"
+        assert finishes(gallery.sizes) and finishes(gallery.reselection_state), "the metrics waited"
+    assert_gallery_matches_db(gallery, engine, "a", DIM)
+
+
+def test_a_search_waits_for_no_other_collections_search(store: GalleryStore, make_gallery: GalleryFactory,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    gallery, query = two_collections(store, make_gallery, np.random.default_rng(33))
+    with while_held(monkeypatch, gallery._entry("a").index, "search", lambda: gallery.search("a", query)):
+        assert finishes(lambda: gallery.search("b", query)), "it waited for collection a's search"
+
+
+def test_searches_go_on_while_a_snapshot_is_written(store: GalleryStore, engine: Engine, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(34)
+    store.create_collection("a", MODEL, DIM, 0.5)
+    enroll(store, rng, "a", "alice", 3)
+    gallery = Gallery(store, tmp_path / "snapshots")
+    gallery.load()
+    query = unit_vectors(rng, 1, DIM)
+    with while_held(monkeypatch, gallery.engine, "persist", gallery.snapshot):
+        assert finishes(lambda: gallery.search("a", query)), "the search waited for the snapshot"
+    assert list((tmp_path / "snapshots").glob("collection-*"))
+
+
+def test_searches_run_without_errors_while_changes_are_applied(store: GalleryStore, engine: Engine,
+                                                               make_gallery: GalleryFactory) -> None:
+    rng = np.random.default_rng(35)
+    store.create_collection("r", MODEL, DIM, 0.5)
+    enroll(store, rng, "r", "seed", 4)
+    gallery = make_gallery(store)
+    gallery.load()
+    queries = unit_vectors(rng, 8, DIM)
+    stop, failures = threading.Event(), []
+
+    def search() -> None:
+        while not stop.is_set():
+            try:
+                for result in gallery.search("r", queries[rng.integers(0, 8, 2)], k=3):
+                    assert all(c.score <= 1.0 + 1e-4 for c in result.candidates)
+            except Exception as exc:  # reported below
+                failures.append(exc)
+                return
+
+    searchers = [threading.Thread(target=search) for _ in range(4)]
+    for thread in searchers:
+        thread.start()
+    try:
+        for number in range(12):
+            enroll(store, rng, "r", f"p{number}", 2)
+            if number % 3 == 2:
+                store.delete_identity("r", f"p{number - 1}")
+            gallery.sync()
+    finally:
+        stop.set()
+        for thread in searchers:
+            thread.join(30)
+    assert failures == []
     assert_gallery_matches_db(gallery, engine, "r", DIM)

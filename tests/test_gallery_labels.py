@@ -132,21 +132,24 @@ def test_the_inline_search_equals_the_threaded_one_and_declines_what_it_cannot_a
     threaded = gallery.search("c", query, k=2, threshold=0.2)
     assert gallery.search_inline("c", query, k=2, threshold=0.2) == threaded
     assert gallery.search_inline("c", query) == gallery.search("c", query)
-    held, release = threading.Event(), threading.Event()
+    for lock, answers in ((gallery._lock, True), (gallery._entry("c").lock, False)):
+        held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
-        with gallery._lock:
-            held.set()
-            release.wait(5)
+        def hold(lock: Any = lock, held: threading.Event = held, release: threading.Event = release) -> None:
+            with lock:
+                held.set()
+                release.wait(5)
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(5)
-    try:
-        assert gallery.search_inline("c", query) is None  # a sync may be reading the database
-    finally:
-        release.set()
-        holder.join()
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(5)
+        try:
+            # the gallery's lock: a sync reading the database, no reason to wait; the collection's: its
+            # index is being searched or changed in another thread
+            assert (gallery.search_inline("c", query) is not None) is answers
+        finally:
+            release.set()
+            holder.join()
     assert gallery.search_inline("c", query) is not None
     monkeypatch.setattr(gallery_module, "INLINE_WORK", 32 * DIM - 1)  # 1 query x 32 fetched x 16-d
     assert gallery.search_inline("c", query) is None  # larger than an inline search may be
