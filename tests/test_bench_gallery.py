@@ -90,3 +90,19 @@ def test_the_growth_benchmark_measures_a_grown_index_beside_the_gallery_rule(tmp
     assert all(r[6].startswith(("1.0000", "0.9")) for r in rows)
     with pytest.raises(SystemExit):
         growth(["--first", "2000", "--sizes", "2000"])
+
+
+def test_the_pauses_benchmark_times_searches_by_what_they_overlapped(tmp_path: Path) -> None:
+    """``bench.gallery_pauses``: a small run writes its table, a row for idle, snapshots and syncs, and
+    refuses sizes below one."""
+    from bench.gallery_pauses import main as pauses
+
+    out = tmp_path / "gallery.md"
+    argv = ["--faces", "3000", "--dim", "32", "--import", "300", "--rounds", "2", "--out", str(out)]
+    assert pauses(argv) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [r[0] for r in rows] == ["| none (idle, 1 s)", "| snapshot of the 3,000-face collection",
+                                    "| sync applying 300 new faces"]
+    assert int(rows[0][2]) > 50 and len(rows[1][1].split(" / ")) == 2  # searched throughout; two rounds
+    with pytest.raises(SystemExit):
+        pauses(["--rounds", "0"])
