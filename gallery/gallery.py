@@ -541,22 +541,28 @@ class Gallery:
     def _best_identities(self, entry: _Collection, query: NDArray[np.float32], k: int,
                          exclude: AbstractSet[int], first: list[NDArray[Any]]
                          ) -> list[tuple[int, float, int]]:
-        """Exact per-identity aggregation: widen the face search until k identities are certain."""
-        total = len(entry.index)
+        """Exact per-identity aggregation: widen the face search until k identities are certain. The
+        index's size is asked only when a search came back full without k identities: on Milvus it is a
+        query of its own (``count(*)``), which every identify used to make."""
         fetch = first[1].shape[1]
         scores, ids, owners = first
+        total: int | None = None
         while True:
             best: dict[int, tuple[float, int]] = {}
             for score, face_id, identity in zip(scores[0].tolist(), ids[0].tolist(), owners[0].tolist(),
                                                 strict=True):
                 if face_id >= 0 and identity >= 0 and identity not in best and face_id not in exclude:
                     best[identity] = (score, face_id)
-            if len(best) >= k or fetch >= total:
-                ranked = sorted(best.items(), key=lambda item: (-item[1][0], item[0]))[:k]
-                return [(identity, score, face) for identity, (score, face) in ranked]
-            fetch = min(total, fetch * 4)
-            with entry.lock:
-                scores, ids, owners = entry.index.search(query[None], fetch)
+            # fewer than k identities in a full answer (fewer faces than asked for: the index holds no more)
+            if len(best) < k and int((ids[0] >= 0).sum()) >= fetch:
+                total = len(entry.index) if total is None else total
+                if fetch < total:
+                    fetch = min(total, fetch * 4)
+                    with entry.lock:
+                        scores, ids, owners = entry.index.search(query[None], fetch)
+                    continue
+            ranked = sorted(best.items(), key=lambda item: (-item[1][0], item[0]))[:k]
+            return [(identity, score, face) for identity, (score, face) in ranked]
 
     def require_model(self, collection: str, embedding_model: str) -> CollectionInfo:
         info = self.collection_info(collection)

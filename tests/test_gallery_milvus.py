@@ -121,6 +121,25 @@ def test_a_sync_that_failed_is_run_again_in_full(store: GalleryStore, engine: En
     assert_gallery_matches_db(gallery, engine, "c", DIM)
 
 
+def test_an_identify_asks_milvus_one_search_and_no_count(store: GalleryStore, engines: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(9)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    enroll(store, "c", 12, rng)
+    gallery = Gallery(store, engine=engines("calls"))
+    gallery.load()
+    asked: list[str] = []
+    client = gallery.engine.client
+    search, query = client.search, client.query
+    monkeypatch.setattr(client, "search", lambda *a, **kw: asked.append("search") or search(*a, **kw))
+    monkeypatch.setattr(client, "query", lambda *a, **kw: asked.append("query") or query(*a, **kw))
+    (result,) = gallery.search("c", unit_vectors(rng, 1, DIM), k=3)
+    assert len(result.candidates) == 3 and asked == ["search"]  # the faces found were enough: no count(*)
+    asked.clear()
+    (result,) = gallery.search("c", unit_vectors(rng, 1, DIM), k=12)  # 24 faces, 12 people: all of them
+    assert len(result.candidates) == 12 and asked == ["search"]  # fewer faces came back than asked for
+
+
 def test_gateways_hold_no_vectors(store: GalleryStore, engines: Any) -> None:
     rng = np.random.default_rng(2)
     store.create_collection("c", MODEL, DIM, 0.5)
