@@ -205,7 +205,8 @@ class FaceIndex:
         token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         staged = path.with_name(f"{path.name}.{token}.partial")
         if self.kind.refined:
-            staged.write_bytes(self._index.to_bytes())
+            with staged.open("wb") as handle:
+                self._index.write(handle)
         else:
             cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
             faiss.write_index(cpu, str(staged))

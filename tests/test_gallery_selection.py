@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -82,7 +83,10 @@ def test_refined_index_scores_are_exact_and_round_trip() -> None:
     scores, found = index.search(queries, 10)
     np.testing.assert_allclose(scores, np.einsum("qkd,qd->qk", vectors[found], queries), atol=1e-6)
     index.remove_ids(ids[:100])
-    restored = RefinedIndex.from_file(__import__("io").BytesIO(index.to_bytes()))
+    buffer = io.BytesIO()
+    index.write(buffer)
+    buffer.seek(0)
+    restored = RefinedIndex.from_file(buffer)
     assert restored.rerank == 64 and restored.ntotal == index.ntotal
     for a, b in zip(restored.search(queries, 10), index.search(queries, 10), strict=True):
         np.testing.assert_array_equal(a, b)
