@@ -478,9 +478,10 @@ def test_face_index_snapshot_round_trip(tmp_path: Path, kind: str) -> None:
 
 
 
-def test_a_refined_snapshot_is_streamed_to_its_file(tmp_path: Path) -> None:
+def test_a_refined_snapshot_is_streamed_to_its_file_and_loaded_once(tmp_path: Path) -> None:
     """Writing a snapshot holds no second copy of the index in memory: numpy streams the arrays to the
-    file (written as bytes first, a 1M x 128 snapshot raised the peak resident memory by its own size)."""
+    file (written as bytes first, a 1M x 128 snapshot raised the peak resident memory by its own size);
+    loading it reads the vectors once and does not copy them (before: twice, and copied)."""
     rng = np.random.default_rng(10)
     vectors = clustered(rng, 600, 40, 512)  # 24,000 x 512: 47 MiB of vectors, numpy writes 16 MiB at a time
     index = FaceIndex.build(512, np.arange(len(vectors), dtype=np.int64), vectors, approximate("pq4fs"))
@@ -493,7 +494,16 @@ def test_a_refined_snapshot_is_streamed_to_its_file(tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
     assert peak < path.stat().st_size / 2, (peak, path.stat().st_size)
-    loaded, _ = FaceIndex.load(path, approximate("pq4fs"))
+    tracemalloc.start()
+    try:  # loading it reads each array once and keeps it as read: no more than the index itself
+        loaded, _ = FaceIndex.load(path, approximate("pq4fs"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.25 * path.stat().st_size, (peak, path.stat().st_size)
+    np.testing.assert_array_equal(loaded.search(vectors[:20], 5)[1], index.search(vectors[:20], 5)[1])
+    for each in (index, loaded):  # the arrays as read can be changed in place
+        each.remove(np.arange(100, dtype=np.int64))
     np.testing.assert_array_equal(loaded.search(vectors[:20], 5)[1], index.search(vectors[:20], 5)[1])
 
 
