@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from alembic.migration import MigrationContext
 from numpy.typing import NDArray
 from sqlalchemy import Engine, inspect
 
+import gallery.store as gallery_store
 from gallery.db import create_db_engine, migrate
 from gallery.errors import Conflict, InvalidEmbedding, ModelMismatch, NotFound
 from gallery.models import Base, ChangeOp
@@ -438,3 +440,47 @@ def test_concurrent_migrations_on_an_empty_database(db_url: str) -> None:
             assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("counted", [None, 2])
+def test_a_collections_vectors_are_read_page_by_page(store: GalleryStore, monkeypatch: pytest.MonkeyPatch,
+                                                      counted: int | None) -> None:
+    """Pages of 3 rows; with ``counted`` 2, more rows than counted arrive (faces added after the count on
+    a read-committed database): the arrays grow, and every row is still there once, in id order."""
+    rng = np.random.default_rng(41)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    store.create_collection("other", MODEL, DIM, 0.5)
+    expected = {}
+    for number in range(4):
+        vectors = unit_vectors(rng, 3, DIM)
+        identity, faces = store.add_faces("c", f"p{number}", new_faces(vectors, tag=f"p{number}"), MODEL,
+                                          create=(f"P{number}", {}))
+        expected.update({f.id: (identity.id, v) for f, v in zip(faces, vectors, strict=True)})
+        store.add_faces("other", f"o{number}", new_faces(unit_vectors(rng, 1, DIM), tag=f"o{number}"), MODEL,
+                        create=(f"O{number}", {}))
+    monkeypatch.setattr(gallery_store, "VECTOR_PAGE", 3)
+    if counted is not None:
+        monkeypatch.setattr(gallery_store, "_face_count", lambda session, collection_id: counted)
+    ids, identities, matrix = store.collection_vectors(store.get_collection("c").id, DIM)
+    assert ids.tolist() == sorted(expected) and matrix.shape == (12, DIM) and matrix.dtype == np.float32
+    assert identities.tolist() == [expected[f][0] for f in sorted(expected)]
+    np.testing.assert_allclose(matrix, np.stack([expected[f][1] for f in sorted(expected)]), atol=1e-6)
+
+
+def test_reading_a_collections_vectors_holds_little_more_than_them(store: GalleryStore,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gallery_store, "VECTOR_PAGE", 256, raising=False)  # small beside the 16 MiB read
+    rng = np.random.default_rng(42)
+    store.create_collection("c", MODEL, 512, 0.5)
+    for number in range(8):  # 8,000 x 512: 16 MiB of vectors
+        faces = new_faces(unit_vectors(rng, 1000, 512), crop=None, tag=f"p{number}")
+        store.add_faces("c", f"p{number}", faces, MODEL, create=(f"P{number}", {}))
+    collection = store.get_collection("c").id
+    tracemalloc.start()
+    try:
+        _, _, matrix = store.collection_vectors(collection, 512)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # every row at once, then their bytes joined, then a converted copy: about three times the vectors
+    assert peak < 1.5 * matrix.nbytes, (peak, matrix.nbytes)
