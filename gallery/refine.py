@@ -106,15 +106,28 @@ class RefinedIndex:
     # --- changes -----------------------------------------------------------------------------
 
     def _grow(self, extra: int) -> None:
+        """Room for ``extra`` more rows: the arrays are enlarged in place where numpy can (``realloc``, which
+        moves a large block's pages without copying them), else copied. Copied, the old vectors and a 1.25x
+        larger copy were held at once: a built 500k x 512 index (977 MiB of vectors) took 981 MiB more and
+        1 s (under the collection's lock) to take one face; in place, 126 MiB and 0.1 s: the new rows alone,
+        resident at once as numpy zeroes them (hence steps of an eighth, not a quarter)."""
         needed = self._used + extra
         if needed <= len(self._vectors):
             return
-        capacity = max(needed, int(len(self._vectors) * 1.25) + 1024)
-        vectors = np.zeros((capacity, self.d), np.float32)
-        vectors[: self._used] = self._vectors[: self._used]
-        row_ids = np.full(capacity, -1, np.int64)
-        row_ids[: self._used] = self._row_ids[: self._used]
-        self._vectors, self._row_ids = vectors, row_ids
+        capacity = max(needed, len(self._vectors) + len(self._vectors) // 8 + 1024)
+        # resize refuses (ValueError) while anything else refers to the array, e.g. a view a snapshot writes:
+        # so called on the attribute itself (any other reference held here would make it refuse)
+        try:
+            self._vectors.resize((capacity, self.d))  # the new rows zero
+        except ValueError:
+            vectors = np.zeros((capacity, self.d), np.float32)
+            vectors[: self._used] = self._vectors[: self._used]
+            self._vectors = vectors
+        try:
+            self._row_ids.resize(capacity)
+        except ValueError:
+            self._row_ids = np.concatenate([self._row_ids, np.zeros(capacity - len(self._row_ids), np.int64)])
+        self._row_ids[self._used :] = -1
 
     def add_with_ids(self, vectors: Vectors, ids: Ids) -> None:
         matrix = np.ascontiguousarray(vectors, dtype=np.float32)
