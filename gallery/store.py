@@ -30,6 +30,10 @@ _CHANGES = (select(FaceChange.seq, FaceChange.collection_id, FaceChange.face_id,
                    FaceChange.op).where(FaceChange.seq > bindparam("seq")).order_by(FaceChange.seq)
             .limit(bindparam("limit")))
 _LAST_SEQ = select(func.max(FaceChange.seq))
+#: What a follower reads to apply the faces another process added: their vectors by a range of ids (an
+#: import's, an enrolment's, are consecutive), or by the ids themselves where they are spread out.
+_FACE_RANGE = select(Face.id, Face.embedding).where(Face.id.between(bindparam("lo"), bindparam("hi")))
+_FACES_BY_ID = select(Face.id, Face.embedding).where(Face.id.in_(bindparam("ids", expanding=True)))
 #: Rows read at a time when a whole collection's vectors are read (8 MiB of 512-d vectors).
 VECTOR_PAGE = 4096
 
@@ -37,6 +41,17 @@ VECTOR_PAGE = 4096
 def _face_count(session: Session, collection_id: int) -> int:
     count = session.scalar(select(func.count()).select_from(Face).where(Face.collection_id == collection_id))
     return int(count or 0)
+
+
+def _decoded(rows: Sequence[tuple[Any, ...]], dimension: int
+             ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
+    """Face ids and vectors [N, dimension] of (id, embedding bytes) rows, converted at once."""
+    for _, blob in rows:
+        if len(blob) != 4 * dimension:
+            decode_vector(blob, dimension)  # raises InvalidEmbedding, naming the sizes
+    ids = np.fromiter((row[0] for row in rows), np.int64, len(rows))
+    joined = b"".join(row[1] for row in rows)
+    return ids, np.frombuffer(joined, "<f4").reshape(len(rows), dimension).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,7 @@ class GalleryStore:
     def __init__(self, db: Database) -> None:
         self.db = db
         self._changes = db.polled(_CHANGES)
+        self._face_range = db.polled(_FACE_RANGE)
 
     # --- collections ------------------------------------------------------------------------
 
@@ -334,14 +350,26 @@ class GalleryStore:
         return int(self.db.fetch(_LAST_SEQ)[0][0] or 0)
 
     def vectors(self, face_ids: Sequence[int], dimension: int) -> dict[int, NDArray[np.float32]]:
-        """Embeddings of the faces that still exist, by id."""
+        """Embeddings of the faces that still exist, by id.
+
+        What a follower applies after another process's import: thousands of consecutive ids. They are read
+        5,000 at a time by their range of ids (the rows of other faces in it left out) on a pooled DB-API
+        connection (``Polled``), and the rows' bytes converted at once; ids spread over more than twice
+        their number are read by the ids themselves. 5,000 faces on SQLite (a throwaway probe, 128-d):
+        27-30 ms by their ids through the ORM with a vector decoded per row, 7-12 ms this way: the
+        interpreter's lock, which searches wait for, is held that much less."""
+        wanted = np.unique(np.asarray(face_ids, np.int64))
         found: dict[int, NDArray[np.float32]] = {}
-        with self.db.read() as session:
-            for start in range(0, len(face_ids), 5000):
-                chunk = face_ids[start : start + 5000]
-                query = select(Face.id, Face.embedding).where(Face.id.in_(chunk))
-                for face_id, blob in session.execute(query):
-                    found[face_id] = decode_vector(blob, dimension)
+        for start in range(0, len(wanted), 5000):
+            group = wanted[start : start + 5000]
+            low, high = int(group[0]), int(group[-1])
+            if high - low < 2 * len(group):
+                rows = self._face_range.rows({"lo": low, "hi": high})
+            else:
+                rows = self.db.fetch(_FACES_BY_ID, {"ids": group.tolist()})
+            ids, matrix = _decoded(rows, dimension)
+            keep = np.isin(ids, group)
+            found.update(zip(ids[keep].tolist(), matrix[keep], strict=True))
         return found
 
     def collection_vectors(self, collection_id: int, dimension: int
