@@ -142,6 +142,8 @@ class Gallery:
         self._reselect_failed: dict[int, float] = {}
         #: Background selections finished, by outcome (``RESELECT_OUTCOMES``).
         self._reselections: dict[str, int] = dict.fromkeys(RESELECT_OUTCOMES, 0)
+        #: the process is stopping (``close``): a background selection that fails is abandoned, not an error
+        self._closing = False
 
     # --- loading, replay, snapshots -----------------------------------------------------------
 
@@ -312,6 +314,10 @@ class Gallery:
             log.info("collection %s: new index in %.1f s (%d faces)", info.name, time.perf_counter() - began,
                      len(built))
         except Exception:  # the current index keeps serving; tried again after RESELECT_RETRY_S
+            if self._closing:  # e.g. the index's search threads were shut down with the interpreter under it
+                log.info("collection %s: choosing its index again was abandoned: the process is stopping "
+                         "(it starts again at the next start)", info.name)
+                return
             log.exception("choosing the index of collection %s again failed", info.name)
             with self._lock:
                 self._reselect_failed[info.id] = time.monotonic()
@@ -412,6 +418,14 @@ class Gallery:
 
     def stop_follower(self) -> None:
         self._follower.stop()
+
+    def close(self) -> None:
+        """At shutdown: stop following the change log; a background selection of an index still under way
+        (minutes at a million faces, not waited for) ends without a result and is logged as abandoned, not
+        as a failure (the process's thread pools, the index's search threads among them, are shut down
+        under it at exit). The next start chooses again: the collection is still past its size."""
+        self._closing = True
+        self.stop_follower()
 
     # --- queries -----------------------------------------------------------------------------
 

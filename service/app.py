@@ -105,7 +105,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
-        gallery.stop_follower()
+        gallery.close()
         keys.stop_watch()
         await asyncio.to_thread(gallery.snapshot)
         await pipeline.close()

@@ -825,6 +825,38 @@ def test_at_low_priority_runs_on_a_thread_of_lower_priority_and_hands_back_its_o
         at_low_priority(failing)
 
 
+def test_a_background_selection_cut_off_by_shutdown_is_abandoned_not_an_error(
+        store: GalleryStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway stopped while a collection's index is chosen again in the background (minutes at 1M): the
+    build fails as the interpreter shuts its thread pools down under it. That is logged as abandoned at
+    INFO, not as a failure with a traceback at ERROR (before: "choosing the index ... again failed")."""
+    rng = np.random.default_rng(33)
+    store.create_collection("f", MODEL, 32, 0.5)
+    enroll_clustered(store, rng, "f", 8, 12, 32)
+    gallery = Gallery(store, tmp_path, approximate("pq4fs", 100))
+    gallery.load()
+    building, stopped = threading.Event(), threading.Event()
+
+    def cut_off(*args: object) -> None:
+        building.set()
+        stopped.wait(30)
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(gallery.engine, "build", cut_off)
+    enroll_clustered(store, rng, "f", 2, 12, 32, start=50)
+    gallery.sync()
+    assert building.wait(30)
+    gallery.close()
+    stopped.set()
+    with caplog.at_level(logging.INFO, logger="gallery.gallery"):
+        gallery.join_reselections(30)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("abandoned" in r.getMessage() for r in caplog.records)
+    assert gallery.reselection_state() == (0, {"chosen": 0, "outdated": 0, "failed": 0})
+    assert len(gallery._entry("f").index) == 120  # the index in use kept serving
+
+
 def test_a_failed_background_selection_is_retried_only_later(store: GalleryStore, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(32)
