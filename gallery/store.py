@@ -43,15 +43,18 @@ def _face_count(session: Session, collection_id: int) -> int:
     return int(count or 0)
 
 
-def _decoded(rows: Sequence[tuple[Any, ...]], dimension: int
+def _decoded(rows: Sequence[tuple[Any, ...]], wanted: NDArray[np.int64], dimension: int
              ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-    """Face ids and vectors [N, dimension] of (id, embedding bytes) rows, converted at once."""
-    for _, blob in rows:
+    """Face ids and vectors [N, dimension] of the (id, embedding bytes) rows whose id is ``wanted``,
+    converted at once (the others, e.g. another collection's faces of another dimension, left unread)."""
+    ids = np.fromiter((row[0] for row in rows), np.int64, len(rows))
+    keep = np.flatnonzero(np.isin(ids, wanted)).tolist()
+    blobs = [rows[n][1] for n in keep]
+    for blob in blobs:
         if len(blob) != 4 * dimension:
             decode_vector(blob, dimension)  # raises InvalidEmbedding, naming the sizes
-    ids = np.fromiter((row[0] for row in rows), np.int64, len(rows))
-    joined = b"".join(row[1] for row in rows)
-    return ids, np.frombuffer(joined, "<f4").reshape(len(rows), dimension).astype(np.float32)
+    matrix = np.frombuffer(b"".join(blobs), "<f4").reshape(len(blobs), dimension).astype(np.float32)
+    return ids[keep], matrix
 
 
 @dataclass(frozen=True)
@@ -372,9 +375,8 @@ class GalleryStore:
                 rows = self._face_range.rows({"lo": low, "hi": high})
             else:
                 rows = self.db.fetch(_FACES_BY_ID, {"ids": group.tolist()})
-            ids, matrix = _decoded(rows, dimension)
-            keep = np.isin(ids, group)
-            found.update(zip(ids[keep].tolist(), matrix[keep], strict=True))
+            ids, matrix = _decoded(rows, group, dimension)
+            found.update(zip(ids.tolist(), matrix, strict=True))
         return found
 
     def collection_vectors(self, collection_id: int, dimension: int

@@ -470,19 +470,20 @@ def test_a_collections_vectors_are_read_page_by_page(store: GalleryStore, monkey
 def test_vectors_of_added_faces_read_by_their_range_of_ids(store: GalleryStore, engine: Engine,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """What a follower applies after an import (consecutive ids) is read by their range, the other faces in
-    it left out; ids spread out by the ids themselves; removed faces are absent, a stored vector of the
-    wrong size is refused. Before, every read bound each id (5,000 parameters for an import's 5,000 faces)."""
+    it left out (another collection's, of another dimension); ids spread out by the ids themselves; removed
+    faces are absent, a stored vector of the wrong size is refused. Before, every read bound each id (5,000
+    parameters for an import's 5,000 faces)."""
     rng = np.random.default_rng(8)
-    for name in ("c", "other"):
-        store.create_collection(name, MODEL, DIM, 0.5)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    store.create_collection("other", MODEL, 2 * DIM, 0.5)
     expected: dict[int, NDArray[np.float32]] = {}
     for number in range(6):  # the two collections' faces interleaved, as two imports running at once
         vectors = unit_vectors(rng, 5, DIM)
         _, faces = store.add_faces("c", f"p{number}", new_faces(vectors, tag=f"p{number}"), MODEL,
                                    create=(f"P{number}", {}))
         expected.update({f.id: v for f, v in zip(faces, vectors, strict=True)})
-        store.add_faces("other", f"o{number}", new_faces(unit_vectors(rng, 4, DIM), tag=f"o{number}"), MODEL,
-                        create=(f"O{number}", {}))
+        store.add_faces("other", f"o{number}", new_faces(unit_vectors(rng, 4, 2 * DIM), tag=f"o{number}"),
+                        MODEL, create=(f"O{number}", {}))
     ranges: list[dict[str, int]] = []
     real_rows = Polled.rows
 
