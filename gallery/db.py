@@ -183,8 +183,10 @@ class Polled:
     on SQLite, the gallery's follower and the key watch running every 0.2 s as in a gateway (the process's
     CPU over 20 s, a throwaway script): 6.7-6.9 ms of CPU per second through ``Database.fetch``, 2.9 ms
     this way. Rows come as the driver returns them, so the statement's columns and parameters must be
-    plain (integers, strings, counts: no type with a result or bind processor); a driver error is raised as
-    SQLAlchemy's (``OperationalError`` for a database that went away) and its connection discarded."""
+    plain (integers, strings, counts: no type with a result or bind processor; a binary column comes as
+    the driver's bytes-like value, which its reader takes as is, as ``GalleryStore.vectors`` does); a driver
+    error is raised as SQLAlchemy's (``OperationalError`` for a database that went away) and its connection
+    discarded."""
 
     def __init__(self, engine: Engine, statement: ClauseElement) -> None:
         self._engine = engine

@@ -847,9 +847,9 @@ def test_a_background_selection_cut_off_by_shutdown_is_abandoned_not_an_error(
     enroll_clustered(store, rng, "f", 2, 12, 32, start=50)
     gallery.sync()
     assert building.wait(30)
-    gallery.close()
-    stopped.set()
-    with caplog.at_level(logging.INFO, logger="gallery.gallery"):
+    with caplog.at_level(logging.INFO, logger="gallery.gallery"):  # before the build can fail and log
+        gallery.close()
+        stopped.set()
         gallery.join_reselections(30)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("abandoned" in r.getMessage() for r in caplog.records)
