@@ -27,7 +27,13 @@ from bench.core.processes import (
     rss_bytes,
     start_server,
 )
-from bench.core.reporting import machine_description, markdown_table, read_section, write_section
+from bench.core.reporting import (
+    cpu_identity,
+    machine_description,
+    markdown_table,
+    read_section,
+    write_section,
+)
 from bench.core.triton import bundled_triton, model_statistics, triton_url
 from service.launcher import stop_process
 from service.multipart import split_form
@@ -60,6 +66,29 @@ def test_one_machine_description_with_or_without_the_serving_stack() -> None:
     assert serving.startswith(hardware + "; OS: ")
     assert "onnxruntime " in serving and "; tritonserver 2.51.0; tritonclient " in serving
     assert "nvidia-pytriton" in machine_description(serving=True)
+
+
+ZEN5 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+
+processor\t: 1
+cpu family\t: 26
+"""
+
+
+def test_the_cpu_is_named_with_its_family_model_and_vector_features() -> None:
+    assert cpu_identity(ZEN5) == "AMD EPYC (family 26, model 2; AVX2, AVX-512, AVX-512 BF16)"
+    sapphire = ZEN5.replace("AMD EPYC", "Intel(R) Xeon(R) Processor").replace(": 26", ": 6").replace(
+        "model\t\t: 2", "model\t\t: 143").replace("avx512_vnni", "avx512_vnni amx_bf16 amx_tile")
+    assert cpu_identity(sapphire) == ("Intel(R) Xeon(R) Processor (family 6, model 143; AVX2, AVX-512, "
+                                      "AVX-512 BF16, AMX)")
+    zen3 = ZEN5.replace(" avx512f avx512_bf16 avx512_vnni", "").replace(": 26", ": 25")
+    assert cpu_identity(zen3) == "AMD EPYC (family 25, model 2; AVX2)"
+    assert machine_description().startswith(cpu_identity() + ", ")
 
 
 def test_a_child_server_is_accounted_and_stopped(tmp_path: Path) -> None:
