@@ -127,11 +127,11 @@ def _detail(refused: Refused) -> str:
     return refused.message.removeprefix("image: ")
 
 
-def classify(item: ImportItem, data: bytes, faces: Faces, options: ImportOptions) -> ItemResult:
-    """Accept exactly one face that passes the quality gate (the REST route's rules), or say why not."""
-    digest = image_sha256(data)
+def classify(item: ImportItem, digest: str, faces: Faces, options: ImportOptions) -> ItemResult:
+    """Accept exactly one face that passes the quality gate (the REST route's rules), or say why not;
+    ``digest`` is the image's ``image_sha256``."""
     try:
-        chosen = enrollable_face(faces, data, options.rules)
+        chosen = enrollable_face(faces, digest, options.rules)
     except Refused as refused:
         return ItemResult(item, _STATUS[refused.code], _detail(refused), digest, len(faces))
     return ItemResult(item, Status.READY, "", digest, len(faces), face=chosen.face)
@@ -203,7 +203,7 @@ class Importer:
                     return ItemResult(item, Status.UNREADABLE, str(exc), digest)
                 except Exception as exc:  # Triton or the API failed: this file is reported, the rest goes on
                     return ItemResult(item, Status.FAILED, str(exc), digest)
-            result = classify(item, data, faces, self.options)
+            result = classify(item, digest, faces, self.options)
             result.data = data if result.status is Status.READY else b""
             return result
         finally:

@@ -24,7 +24,7 @@ from facecore.spec import ModelSpec
 from gallery.faces import FaceRecords, StoredFace
 from gallery.gallery import Gallery, SearchResult
 from gallery.store import CollectionInfo, FaceInfo, GalleryStore, IdentityInfo, check_model
-from recognition.enrollment import EnrollmentRules, IgnoredFace, enrollable_face, largest
+from recognition.enrollment import EnrollmentRules, IgnoredFace, enrollable_face, image_sha256, largest
 from recognition.errors import Refused
 
 #: Width of the logistic that turns a cosine score into a confidence: 0.5 at the threshold,
@@ -136,7 +136,7 @@ class Recognition:
         """All images or none: every image must give one face that passes the quality gate."""
         info = await self.collection(collection)
         analyzed = await asyncio.gather(*(self.analyze(data, crops=True) for data in images))
-        chosen = [enrollable_face(faces, data, rules, index)
+        chosen = [enrollable_face(faces, image_sha256(data), rules, index)
                   for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
 
         def store() -> Enrolled:
