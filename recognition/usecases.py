@@ -136,10 +136,12 @@ class Recognition:
         """All images or none: every image must give one face that passes the quality gate."""
         info = await self.collection(collection)
         analyzed = await asyncio.gather(*(self.analyze(data, crops=True) for data in images))
-        chosen = [enrollable_face(faces, image_sha256(data), rules, index)
-                  for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
 
         def store() -> Enrolled:
+            # the quality gate, each file's sha256 and each crop's PNG (0.4 ms an image) run in this worker
+            # thread too: on the event loop, a 16-image enrolment held every other request for ~7 ms
+            chosen = [enrollable_face(faces, image_sha256(data), rules, index)
+                      for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
             identity, stored = self.store.add_faces(collection, external_id, [c.face for c in chosen],
                                                     info.embedding_model, create)
             self.gallery.sync()
