@@ -347,6 +347,22 @@ def test_uint8_nhwc_detector_input_equals_the_float_path(default_models: Default
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_uint8_detector_input_does_its_arithmetic_on_nchw_planes(default_models: DefaultModels) -> None:
+    """Cast first (TensorRT takes a uint8 input only into a cast), then the transpose, then the channel
+    order, mean and std as one constant per plane: a [3] mean broadcast along NHWC's innermost axis cost
+    OpenVINO (bf16) 2.2 ms and ONNX Runtime 2.8 ms more per 512x640 image, for the same floats."""
+    spec = default_models.detector
+    edited = uint8_nhwc_input(onnx.load(str(default_models.detector_file)), spec.input_name, True,
+                              spec.mean, (58.0, 57.0, 57.5))
+    prefix = list(edited.graph.node[:5])
+    assert [node.op_type for node in prefix] == ["Cast", "Transpose", "Gather", "Sub", "Div"]
+    assert list(prefix[0].input) == [spec.input_name]
+    assert onnx.helper.get_attribute_value(prefix[2].attribute[0]) == 1  # Gather on the channel axis
+    constants = {i.name: numpy_helper.to_array(i) for i in edited.graph.initializer}
+    for node in prefix[3:]:
+        assert constants[node.input[1]].shape == (1, 3, 1, 1), node.name
+
+
 def test_to_bfloat16_rounds_to_nearest_even_like_ml_dtypes() -> None:
     import ml_dtypes
 
