@@ -14,10 +14,11 @@ the same synthetic gallery (``bench/gallery.py``'s faces), for each candidate th
 - the index's whole search: the codes and the exact re-rank (``FaceIndex.search``);
 - the served figure: 1 and 32 concurrent one-query requests through the request batcher;
 
-and two references with no approximation: exact search (FAISS Flat: BLAS for a block) and an int8 matrix
-product of the queries by every face with no top-k at all (ONNX Runtime's ``MatMulInteger``, with the
-gallery as a prepacked constant: VNNI or AMX kernels where the CPU has them), the cheapest exhaustive
-scorer at hand. The served gain cannot exceed the kernel's. Writes a Markdown section to --out.
+and two references: exact search (FAISS Flat: BLAS for a block) and an int8 matrix product of the
+queries by every face, rounded to int8, with no top-k at all (ONNX Runtime's ``MatMulInteger``, the
+gallery a prepacked constant: VNNI or AMX kernels where the CPU has them), an exhaustive scorer whose
+blocks gain as a matrix product's do. A served search does its kernel's work and more, so its gain is
+bounded by the kernel's (within the machine's noise). Writes a Markdown section to --out.
 """
 
 from __future__ import annotations
