@@ -251,6 +251,8 @@ class FaceIndex:
         index._ids = set(stored.tolist()) - index._tombstones
         if len(index._ids) != int(meta["ids"]):
             raise ValueError(f"snapshot {path} holds {len(index._ids)} ids, its metadata says {meta['ids']}")
+        if isinstance(cpu, RefinedIndex):  # the snapshot may come from another kind of CPU: measured here
+            cpu.pick_lone_kernel(cpu.sample_vectors(40), label=f"snapshot {path}")
         index._index = cpu if kind.refined else index._to_device(cpu)
         return index, meta
 

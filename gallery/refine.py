@@ -11,14 +11,21 @@ indexes searched in parallel threads, so one query uses every core (FAISS parall
 only).
 
 4-bit fast-scan has several search kernels (FAISS's ``implem``); by default it picks one per index, made
-for blocks of queries and slow for a lone one. ``fast_scan_kernel`` picks per call: for a lone query with
-a short re-rank, the kernel that reads the codes once per query (one thread, 500k codes at 128-d with 128
-sub-quantizers: 1.3-1.5 ms against 2.6-2.8 ms; with a deep top-k, FAISS's choice stays faster); for
-batches, FAISS's choice. Both rank by the same codes.
+for blocks of queries. ``fast_scan_kernel`` picks per call: for batches, FAISS's choice; for a lone query
+with a short re-rank, the index's ``lone_kernel``, FAISS's choice or the kernel that reads the codes once
+per query (14), whichever ``pick_lone_kernel`` measured faster on this machine. Which one wins depends on
+the CPU: 500k codes at 128-d with 128 sub-quantizers, one thread, took 1.3-1.5 ms with 14 against 2.6-2.8 ms
+with FAISS's choice on a 2-core AMD EPYC; a lone query over 1M such codes on both cores of a 2-core Xeon
+with AMX (FAISS's AVX512_SPR build) took 2.1-2.4 ms with 14 against 1.7-2.0 ms with FAISS's choice (medians
+of 4 alternating rounds; at 512-d with 64 sub-quantizers the two were within 5 %). Both rank by the same
+codes. With a deep top-k (k > 20) FAISS's choice is faster everywhere measured.
 """
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,6 +33,8 @@ from typing import Any
 import faiss
 import numpy as np
 from numpy.typing import NDArray
+
+log = logging.getLogger(__name__)
 
 Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
@@ -64,14 +73,20 @@ def sq8(dimension: int) -> Any:
 RERANK_FLOATS = 1 << 22
 
 
-def fast_scan_kernel(index: Any, batched: bool, k: int) -> None:
-    """Set a 4-bit fast-scan index's search kernel for one call: FAISS's implementation 14 (codes read once
-    per query, a heap per query) for a lone query with k <= 20, else FAISS's own choice (for these
-    indexes 12, or 13 above k = 20: codes read once per block of queries). Nothing for other indexes."""
+#: FAISS's per-query fast-scan kernel (codes read once per query, a heap per query) and FAISS's own choice.
+PER_QUERY_KERNEL, FAISS_CHOICE = 14, 0
+#: The deepest per-shard top-k for which a lone query may use ``PER_QUERY_KERNEL``.
+PER_QUERY_MAX_K = 20
+
+
+def fast_scan_kernel(index: Any, batched: bool, k: int, lone: int = PER_QUERY_KERNEL) -> None:
+    """Set a 4-bit fast-scan index's search kernel for one call: ``lone`` for a lone query with
+    k <= ``PER_QUERY_MAX_K``, else FAISS's own choice (for these indexes 12, or 13 above k = 20: codes read
+    once per block of queries). Nothing for other indexes."""
     if getattr(index, "bbs", None) != 32 or not hasattr(index, "implem"):
         return
     # a call racing another on the same shard may run with the other's kernel: slower, same codes ranked
-    index.implem = 14 if not batched and k <= 20 else 0
+    index.implem = lone if not batched and k <= PER_QUERY_MAX_K else FAISS_CHOICE
 
 
 CODES: dict[str, Callable[[int], Any]] = {"pq4fs": pq4_fast_scan, "pq4fs-fine": pq4_fast_scan_fine,
@@ -89,6 +104,7 @@ class RefinedIndex:
         self._vectors = np.zeros((0, dimension), np.float32)  # rows; erased rows are zeroed
         self._row_ids = np.zeros(0, np.int64)  # row -> face id (-1: erased)
         self._used = 0
+        self.lone_kernel = PER_QUERY_KERNEL  # a lone query's fast-scan kernel (``pick_lone_kernel``)
         # one OpenMP thread per pool thread: the shards are the parallelism there
         self._pool = (ThreadPoolExecutor(len(shards), initializer=faiss.omp_set_num_threads, initargs=(1,))
                       if len(shards) > 1 else None)
@@ -173,7 +189,7 @@ class RefinedIndex:
             if not len(rows):
                 return np.full((len(queries), 0), -1, np.int64)
             shard, k = self._shards[number], min(depth, len(rows))
-            fast_scan_kernel(shard, batched=pool is None, k=k)
+            fast_scan_kernel(shard, batched=pool is None, k=k, lone=self.lone_kernel)
             _, positions = shard.search(queries, k)
             return np.where(positions >= 0, rows[np.maximum(positions, 0)], -1)
 
@@ -181,11 +197,56 @@ class RefinedIndex:
         parts = list(pool.map(one, numbers)) if pool is not None else [one(n) for n in numbers]
         return np.concatenate(parts, axis=1)
 
+    def _depth(self, k: int) -> int:
+        """Candidates taken from each shard for a top-``k`` search: ``rerank`` in all, split over the
+        shards; each still gives k (the true top-k may all be in one shard)."""
+        return max(k, -(-self.rerank // len(self._shards)))
+
+    def pick_lone_kernel(self, queries: Vectors, k: int = 10, rounds: int = 5, calls: int = 8,
+                         label: str = "index") -> dict[int, float]:
+        """Time a lone top-``k`` query's scan with FAISS's choice and with the per-query kernel, ``rounds``
+        alternating rounds of ``calls`` lone queries each (a drifting machine slows both alike), and keep
+        the one with the lower median as ``lone_kernel``. Returns {kernel: median ms}; empty (nothing
+        measured, the kernel unchanged) where the choice cannot matter: codes that are not 4-bit
+        fast-scan, a per-shard depth above ``PER_QUERY_MAX_K``, an empty index or no queries. Any
+        queries do: a fast-scan costs the same whatever the query. The outcome is logged under
+        ``label``."""
+        queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.d)
+        depth = self._depth(k)
+        if (not len(queries) or not self.ntotal or depth > PER_QUERY_MAX_K
+                or getattr(self._shards[0], "bbs", None) != 32):
+            return {}
+        kept = self.lone_kernel
+        times: dict[int, list[float]] = {PER_QUERY_KERNEL: [], FAISS_CHOICE: []}
+        try:
+            for number in range(rounds + 1):  # the first round warms both kernels up, not counted
+                for kernel in (list(times) if number % 2 else list(times)[::-1]):
+                    self.lone_kernel = kernel
+                    for call in range(calls):
+                        query = queries[(number * calls + call) % len(queries)][None]
+                        began = time.perf_counter()
+                        self._candidates(query, depth)
+                        if number:
+                            times[kernel].append(time.perf_counter() - began)
+        finally:
+            self.lone_kernel = kept
+        medians = {kernel: statistics.median(spent) * 1000 for kernel, spent in times.items()}
+        self.lone_kernel = min(medians, key=lambda kernel: (medians[kernel], kernel != kept))
+        timings = " against ".join(f"{ms:.2f} (kernel {kernel})" for kernel, ms in medians.items())
+        log.info("%s: a lone query's scan over %d codes took %s ms at the median; kernel %d kept", label,
+                 self.ntotal, timings, self.lone_kernel)
+        return medians
+
+    def sample_vectors(self, count: int) -> Vectors:
+        """Up to ``count`` stored vectors, spread over the index (erased rows left out)."""
+        rows = np.flatnonzero(self._row_ids[: self._used] >= 0)
+        picked = rows[np.linspace(0, len(rows) - 1, num=min(count, len(rows))).astype(np.int64)]
+        sample: Vectors = self._vectors[picked]
+        return sample
+
     def search(self, queries: Vectors, k: int) -> tuple[Vectors, Ids]:
         queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.d)
-        # ``rerank`` candidates in all, split over the shards; each still gives k (the true top-k may
-        # all be in one shard)
-        rows = self._candidates(queries, max(k, -(-self.rerank // len(self._shards))))
+        rows = self._candidates(queries, self._depth(k))
         scores = np.empty(rows.shape, np.float32)
         # the candidates' vectors gathered for a few queries at a time: [queries, candidates, d] floats
         # for all 2500 probes of a build at a 2048-deep re-rank were 2.6 GB

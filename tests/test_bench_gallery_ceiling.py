@@ -13,7 +13,7 @@ import pytest
 from bench import gallery_ceiling
 from bench.core.reporting import read_section
 from bench.gallery import synthetic_faces
-from bench.gallery_ceiling import BLOCK, Ceiling, bound, int8_product, main, time_kernel
+from bench.gallery_ceiling import BLOCK, Ceiling, bound, int8_product, int8_top, main, time_kernel
 
 
 def test_time_kernel_alternates_one_query_and_blocks_and_turns_medians_into_rates(
@@ -43,6 +43,17 @@ def test_int8_reference_scores_are_the_int8_dot_products() -> None:
     assert (np.argmax(scores, axis=1) == np.argmax(queries @ vectors.T, axis=1)).mean() > 0.9
 
 
+def test_int8_top_picks_the_best_int8_scores_of_each_query() -> None:
+    vectors = synthetic_faces(700, 32)
+    queries = synthetic_faces(40, 32, seed=5)
+    best, rows = int8_top(vectors, 8)(queries)
+    scores = np.rint(queries * 127).astype(np.int32) @ np.rint(vectors * 127).astype(np.int32).T
+    assert best.shape == rows.shape == (40, 8)
+    # the 8 best scores, best first, and the rows they belong to (ties: any of the tied rows)
+    np.testing.assert_array_equal(best, -np.sort(-scores, axis=1)[:, :8])
+    np.testing.assert_array_equal(np.take_along_axis(scores, rows, 1), best)
+
+
 def test_bound_takes_the_fastest_block_of_any_kernel_and_the_fastest_complete_lone_search() -> None:
     rows = [Ceiling(128, "codes alone", 2000, 5000, complete=False),
             Ceiling(128, "codes + re-rank", 800, 1600),
@@ -67,5 +78,6 @@ def test_a_small_run_writes_its_section_and_json(tmp_path: Path) -> None:
     data = json.loads(results.read_text())
     kernels = [row["kernel"] for row in data["rows"]]
     assert any(k.startswith("exact") for k in kernels) and any(k.startswith("int8") for k in kernels)
+    assert any(k.startswith("int8 matrix product + top 32") for k in kernels)
     assert all(row["alone_qps"] > 0 and row["block_qps"] > 0 for row in data["rows"])
     assert set(data["bounds"]) == {"32"} and data["bounds"]["32"]["gain"] > 0

@@ -219,6 +219,126 @@ def test_a_lone_query_and_a_batch_use_their_own_kernels_and_agree() -> None:
     assert {shard.implem for shard in index._shards} == {0}
 
 
+def test_a_lone_query_uses_the_kernel_picked_for_this_machine_and_answers_the_same() -> None:
+    vectors = face_like(400, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    index = RefinedIndex.train("pq4fs-fine", 32, vectors, 2, rerank=32)
+    index.add_with_ids(vectors, ids)
+    queries = measures.genuine_probes(vectors, 20, seed=6)
+    answers = {}
+    for kernel in (14, 0):
+        index.lone_kernel = kernel
+        answers[kernel] = [index.search(q[None], 10) for q in queries]
+        assert {shard.implem for shard in index._shards} == {kernel}
+    for (scores14, ids14), (scores0, ids0) in zip(answers[14], answers[0], strict=True):
+        np.testing.assert_array_equal(ids14, ids0)
+        np.testing.assert_allclose(scores14, scores0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("slow", "kept"), [(14, 0), (0, 14)])
+def test_pick_lone_kernel_keeps_the_faster_kernel_by_alternating_medians(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, slow: int, kept: int) -> None:
+    import gallery.refine as refine
+
+    vectors = face_like(300, 10, 32)
+    index = RefinedIndex.train("pq4fs-fine", 32, vectors, 2, rerank=32)
+    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    clock = [0.0]
+    used: list[int] = []
+
+    def scan(queries: Any, depth: int) -> None:  # the slow kernel: 3 ms, or 30 ms once in a while
+        assert len(queries) == 1 and depth == 16
+        used.append(index.lone_kernel)
+        clock[0] += (0.030 if len(used) % 7 == 0 else 0.003) if index.lone_kernel == slow else 0.002
+
+    monkeypatch.setattr(refine.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(index, "_candidates", scan)
+    with caplog.at_level(logging.INFO, logger="gallery.refine"):
+        medians = index.pick_lone_kernel(vectors[:5], rounds=3, calls=4, label="test index")
+    assert index.lone_kernel == kept
+    assert medians == {slow: pytest.approx(3.0), kept: pytest.approx(2.0)}
+    # a warm-up round, then 3 rounds, the order of the two kernels reversed every round
+    assert used == [0] * 4 + [14] * 4 + [14] * 4 + [0] * 4 + [0] * 4 + [14] * 4 + [14] * 4 + [0] * 4
+    assert "test index: a lone query's scan over 3000 codes took" in caplog.text
+    assert f"kernel {kept} kept" in caplog.text
+
+
+def test_pick_lone_kernel_measures_nothing_where_the_kernel_cannot_matter(monkeypatch: pytest.MonkeyPatch
+                                                                          ) -> None:
+    vectors = face_like(300, 10, 32)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    deep = RefinedIndex.train("pq4fs", 32, vectors, 2, rerank=64)  # 32 candidates per shard: FAISS's choice
+    deep.add_with_ids(vectors, ids)
+    scalar = RefinedIndex.train("sq8", 32, vectors, 2, rerank=16)  # not fast-scan codes
+    scalar.add_with_ids(vectors, ids)
+    empty = RefinedIndex.train("pq4fs-fine", 32, vectors, 2, rerank=16)
+    for index, queries in ((deep, vectors[:3]), (scalar, vectors[:3]), (empty, vectors[:3]),
+                           (deep, vectors[:0])):
+        monkeypatch.setattr(index, "_candidates", lambda *_: pytest.fail("measured"))
+        assert index.pick_lone_kernel(queries) == {} and index.lone_kernel == 14
+
+
+def test_pick_lone_kernel_on_real_faiss_keeps_one_and_a_lone_query_then_uses_it() -> None:
+    vectors = face_like(2000, 10, 64)
+    index = RefinedIndex.train("pq4fs-fine", 64, vectors, 2, rerank=32)
+    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    index.remove_ids(np.arange(0, 2000, 2, dtype=np.int64))
+    sample = index.sample_vectors(40)
+    assert sample.shape == (40, 64)
+    erased = {v.tobytes() for v in vectors[:2000:2]}
+    assert not any(v.tobytes() in erased for v in sample)  # erased rows are never sampled
+    medians = index.pick_lone_kernel(sample, rounds=2, calls=3)
+    assert set(medians) == {14, 0} and all(ms > 0 for ms in medians.values())
+    assert index.lone_kernel == min(medians, key=lambda kernel: medians[kernel])
+    index.search(sample[:1], 10)
+    assert {shard.implem for shard in index._shards} == {index.lone_kernel}
+
+
+def test_selection_picks_the_lone_kernel_before_timing_the_candidate(monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    events: list[Any] = []
+    real_pick, real_latency = RefinedIndex.pick_lone_kernel, selection.latency_ms
+
+    def pick(self: RefinedIndex, queries: Any, *args: Any, **kwargs: Any) -> dict[int, float]:
+        events.append(("pick", len(queries), self.rerank))
+        return real_pick(self, queries, *args, **kwargs)
+
+    def latency(*args: Any, **kwargs: Any) -> tuple[float, float]:
+        events.append("latency")
+        return real_latency(*args, **kwargs)
+
+    monkeypatch.setattr(RefinedIndex, "pick_lone_kernel", pick)
+    monkeypatch.setattr(selection, "latency_ms", latency)
+    vectors = face_like(2000, 10, 64)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    config = IndexConfig(exact_max=1000, candidates=("pq4fs-fine",), recall_queries=300,
+                         impostor_queries=1000, latency_queries=50)
+    index = FaceIndex.build(64, ids, vectors, config, identities=ids // 10, threshold=0.363)
+    (measured,) = index.selection
+    # the exact scan's median, then the candidate's kernel picked at the effort it was tuned to (on the
+    # latency probes), then its latency passes
+    assert events == ["latency", ("pick", 50, measured.effort)] + ["latency"] * selection.LATENCY_PASSES
+
+
+def test_a_loaded_refined_snapshot_picks_its_lone_kernel_on_this_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    vectors = face_like(2000, 10, 64)
+    ids = np.arange(len(vectors), dtype=np.int64)
+    config = IndexConfig(exact_max=1000, candidates=("pq4fs-fine",), latency_check=False)
+    index = FaceIndex.build(64, ids, vectors, config)
+    assert index._index.lone_kernel == 14  # not measured without the latency check
+    path = tmp_path / "c.faiss"
+    index.save(path, 1)
+    queried: list[Any] = []
+    monkeypatch.setattr(RefinedIndex, "pick_lone_kernel",
+                        lambda self, queries, **kw: (queried.append(queries), setattr(self, "lone_kernel", 0),
+                                                     {})[2])
+    loaded, _ = FaceIndex.load(path, config)
+    (queries,) = queried  # measured once, on 40 of its own faces, and its choice kept
+    assert queries.shape == (40, 64) and loaded._index.lone_kernel == 0
+    np.testing.assert_array_equal(loaded.search(vectors[:5], 10)[1], index.search(vectors[:5], 10)[1])
+
+
 def test_rerank_in_chunks_answers_as_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-rank gathers a few queries' candidates at a time (2500 build probes at a 2048-deep re-rank
     gathered at once were 2.6 GB); chunked or not, the answers are the same."""
