@@ -21,6 +21,7 @@ from numpy.typing import NDArray
 from facecore.client import AsyncPipeline
 from facecore.contract import Faces
 from facecore.spec import ModelSpec
+from gallery.embeddings import row_scores
 from gallery.faces import FaceRecords, StoredFace
 from gallery.gallery import Gallery, SearchResult
 from gallery.store import CollectionInfo, FaceInfo, GalleryStore, IdentityInfo, check_model
@@ -169,7 +170,7 @@ class Recognition:
         enrolled = await asyncio.to_thread(self.store.identity_vectors, collection, external_id)
         if len(enrolled) == 0:
             raise Refused(f"identity {external_id!r} has no enrolled face", "no_enrolled_face")
-        score = float(np.max(enrolled @ faces.embeddings[index]))
+        score = float(np.max(row_scores(enrolled, faces.embeddings[index])))
         limit = info.match_threshold if threshold is None else threshold
         return Verified(score, limit, (faces, index))
 
@@ -197,7 +198,7 @@ class Recognition:
         (ref, index), faces = await asyncio.gather(self._one_face(reference, "reference image"),
                                                    self.analyze(data, score_threshold=score_threshold))
         limit = spec.match_threshold if threshold is None else threshold
-        return Comparison(faces, faces.embeddings @ ref.embeddings[index], limit, (ref, index))
+        return Comparison(faces, row_scores(faces.embeddings, ref.embeddings[index]), limit, (ref, index))
 
     async def compare_with_face(self, collection: str, face_id: int, data: bytes,
                                 threshold: float | None = None, score_threshold: float | None = None
@@ -207,4 +208,4 @@ class Recognition:
         stored = await asyncio.to_thread(self.faces.get, collection, face_id)  # NotFound first
         faces = await self.analyze(data, score_threshold=score_threshold)
         limit = info.match_threshold if threshold is None else threshold
-        return Comparison(faces, faces.embeddings @ stored.vector, limit)
+        return Comparison(faces, row_scores(faces.embeddings, stored.vector), limit)
