@@ -256,8 +256,8 @@ class RefinedIndex:
             gathered = self._vectors[np.maximum(rows[part], 0)]  # [step, candidates, d]
             # numpy's own loops, not BLAS: numpy's OpenBLAS splits a product of about 9,000 numbers per query
             # or more (20 candidates at 512-d) over its threads, which then spin for about 0.1 s, taking the
-            # cores from the next scans (a 1M x 512 lone query right after a batch: 4.3-8.4 ms against
-            # 1.9-2.2 ms, 2-core Xeon)
+            # cores from the next scans (1M x 512 lone queries right after a batch: 4.4-8.7 ms against
+            # 2.1-4.0 ms before it, 2-core Xeon)
             scores[part] = np.einsum("qcd,qd->qc", gathered, queries[part])
         scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)
         if scores.shape[1] > k:  # the k best (ties at the k-th place: any of them), then ordered
