@@ -38,6 +38,13 @@ def face_like(identities: int, per_identity: int, dimension: int, seed: int = 0)
     return normalized
 
 
+def filled(codes: str, vectors: NDArray[np.float32], rerank: int, shards: int = 2) -> RefinedIndex:
+    """A refined index trained on ``vectors`` and holding them all, ids 0..n-1."""
+    index = RefinedIndex.train(codes, vectors.shape[1], vectors, shards, rerank=rerank)
+    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    return index
+
+
 def brute(queries: NDArray[np.float32], ids: NDArray[np.int64], vectors: NDArray[np.float32], k: int
           ) -> tuple[NDArray[np.float32], NDArray[np.int64]]:
     scores = queries @ vectors.T
@@ -221,9 +228,7 @@ def test_a_lone_query_and_a_batch_use_their_own_kernels_and_agree() -> None:
 
 def test_a_lone_query_uses_the_kernel_picked_for_this_machine_and_answers_the_same() -> None:
     vectors = face_like(400, 10, 32)
-    ids = np.arange(len(vectors), dtype=np.int64)
-    index = RefinedIndex.train("pq4fs-fine", 32, vectors, 2, rerank=32)
-    index.add_with_ids(vectors, ids)
+    index = filled("pq4fs-fine", vectors, rerank=32)
     queries = measures.genuine_probes(vectors, 20, seed=6)
     answers = {}
     for kernel in (14, 0):
@@ -241,8 +246,7 @@ def test_pick_lone_kernel_keeps_the_faster_kernel_by_alternating_medians(
     import gallery.refine as refine
 
     vectors = face_like(300, 10, 32)
-    index = RefinedIndex.train("pq4fs-fine", 32, vectors, 2, rerank=32)
-    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    index = filled("pq4fs-fine", vectors, rerank=32)
     clock = [0.0]
     used: list[int] = []
 
@@ -266,11 +270,8 @@ def test_pick_lone_kernel_keeps_the_faster_kernel_by_alternating_medians(
 def test_pick_lone_kernel_measures_nothing_where_the_kernel_cannot_matter(monkeypatch: pytest.MonkeyPatch
                                                                           ) -> None:
     vectors = face_like(300, 10, 32)
-    ids = np.arange(len(vectors), dtype=np.int64)
-    deep = RefinedIndex.train("pq4fs", 32, vectors, 2, rerank=64)  # 32 candidates per shard: FAISS's choice
-    deep.add_with_ids(vectors, ids)
-    scalar = RefinedIndex.train("sq8", 32, vectors, 2, rerank=16)  # not fast-scan codes
-    scalar.add_with_ids(vectors, ids)
+    deep = filled("pq4fs", vectors, rerank=64)  # 32 candidates per shard: FAISS's choice
+    scalar = filled("sq8", vectors, rerank=16)  # not fast-scan codes
     empty = RefinedIndex.train("pq4fs-fine", 32, vectors, 2, rerank=16)
     for index, queries in ((deep, vectors[:3]), (scalar, vectors[:3]), (empty, vectors[:3]),
                            (deep, vectors[:0])):
@@ -280,8 +281,7 @@ def test_pick_lone_kernel_measures_nothing_where_the_kernel_cannot_matter(monkey
 
 def test_pick_lone_kernel_on_real_faiss_keeps_one_and_a_lone_query_then_uses_it() -> None:
     vectors = face_like(2000, 10, 64)
-    index = RefinedIndex.train("pq4fs-fine", 64, vectors, 2, rerank=32)
-    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    index = filled("pq4fs-fine", vectors, rerank=32)
     index.remove_ids(np.arange(0, 2000, 2, dtype=np.int64))
     sample = index.sample_vectors(40)
     assert sample.shape == (40, 64)
@@ -345,8 +345,7 @@ def test_a_batched_rerank_leaves_no_thread_spinning_after_it() -> None:
     lone 1M x 512 query right after a batch took 2-4x as long). Measured as CPU used while the process
     sleeps (a core's worth, 99-100 ms per 100 ms, before)."""
     vectors = face_like(2000, 10, 512)
-    index = RefinedIndex.train("pq4fs-fine", 512, vectors, 2, rerank=32)
-    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    index = filled("pq4fs-fine", vectors, rerank=32)
     queries = measures.genuine_probes(vectors, 32, seed=8)
     spent = []
     for _ in range(3):
