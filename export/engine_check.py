@@ -18,16 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from export.engine_cache import EngineRefused, EngineSlot
 from export.precision import ARTIFACTS, EMBEDDER_COSINE, PrecisionCheck, check_images, compare_pipelines
 from facecore.contract import Faces
 from facecore.pipeline import Detector, Embedder, PipelineSettings, network_input, run_pipeline
 from facecore.processing import FloatArray, ImageArray
 from facecore.runtimes import Runner, Runtime, RuntimeChoice, runner
 from facecore.spec import ModelSpec
+
+if TYPE_CHECKING:  # the checks themselves need no TensorRT tooling (bench/gpu.py runs them without it)
+    from export.engine_cache import EngineSlot
 
 #: Detector plans: the same faces, each box within this IoU of the reference's. Not the 0.95 box IoU and
 #: 0.99 embedding cosine of ``export.precision``'s pipeline check: the detector's scores in float16 (the
@@ -129,6 +132,8 @@ def _chunks(batch: np.ndarray, size: int = 16) -> list[np.ndarray]:  # type: ign
 
 
 def _newest(slots: Sequence[EngineSlot], role: str) -> Path:
+    from export.engine_cache import EngineRefused
+
     found = [slot for slot in slots if slot.role == role]
     if not found:
         raise EngineRefused(f"no {role} among the TensorRT models: cannot check the plans against ONNX")
@@ -150,6 +155,8 @@ def plan_check(repository: Path, slots: Sequence[EngineSlot], photos: Path | Non
             return checker[0].check_detector(slot.onnx, slot.plan, _newest(slots, "embedder"), precision)
         if slot.role == "embedder":
             return checker[0].check_embedder(slot.onnx, slot.plan, _newest(slots, "detector"), precision)
+        from export.engine_cache import EngineRefused
+
         raise EngineRefused(f"{slot.name}: its config names no detector or embedder role: cannot check it")
 
     return check

@@ -46,12 +46,17 @@ def default_models() -> DefaultModels:
     return prepare_default_models(ARTIFACTS)
 
 
+def exported(profile: Profile, models: DefaultModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh repository of ``profile`` written by the exporter into a new temporary folder."""
+    out = tmp_path_factory.mktemp("repository") / profile.value
+    plan = RepositoryPlan(profile, models.detector, models.embedder)
+    return write_repository(plan, out, models.detector_file, models.embedder_file)
+
+
 @pytest.fixture(scope="session")
 def cpu_repository(default_models: DefaultModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh CPU-profile repository written by the exporter, private to this test session."""
-    out = tmp_path_factory.mktemp("repository") / "cpu"
-    plan = RepositoryPlan(Profile.CPU, default_models.detector, default_models.embedder)
-    return write_repository(plan, out, default_models.detector_file, default_models.embedder_file)
+    return exported(Profile.CPU, default_models, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

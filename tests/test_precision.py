@@ -15,6 +15,7 @@ import export.precision as precision
 import facecore.openvino_runtime as ov_runtime
 from export.defaults import DefaultModels
 from export.repository import served_detector
+from facecore.contract import Faces
 from facecore.openvino_runtime import Precision, usable_precision
 from facecore.runtimes import Runtime, RuntimeChoice
 
@@ -354,3 +355,42 @@ def test_compiled_networks_keep_a_bounded_cache_of_shapes(default_models: Defaul
     np.testing.assert_allclose(requests["ours"].get_output_tensor(1).data,
                                requests["default"].get_output_tensor(1).data, atol=1e-5)
     assert growth["ours"] < 0.7 * growth["default"], growth
+
+
+def _two_faces(reference: precision.Reference, cosine: float) -> Faces:
+    """Two faces of t1.jpg, their embeddings replaced by unit vectors ``cosine`` apart."""
+    from dataclasses import replace
+
+    group = next(f for f in reference.faces if len(f) == 6)
+    embeddings = np.zeros((2, group.embeddings.shape[1]), np.float32)
+    angle = np.arccos(cosine)
+    embeddings[0, 0], embeddings[1, 0], embeddings[1, 1] = 1.0, np.cos(angle), np.sin(angle)
+    return replace(group, boxes=group.boxes[:2], scores=group.scores[:2], landmarks=group.landmarks[:2],
+                   embeddings=embeddings, blur=group.blur[:2], crops=group.crops[:2])
+
+
+@pytest.mark.parametrize(("before", "after", "passes"), [
+    (0.363 + 0.004, 0.363 - 0.003, True),  # on the threshold: either side is the same decision
+    (0.363 + 0.05, 0.363 - 0.05, False),  # clear of it: a changed decision
+])
+def test_a_pair_on_the_match_threshold_may_be_decided_either_way(
+        reference: precision.Reference, before: float, after: float, passes: bool) -> None:
+    result = precision.compare_pipelines([_two_faces(reference, before)], [_two_faces(reference, after)],
+                                         0.363, "detector", RuntimeChoice())
+    assert result.worst_cosine >= precision.PIPELINE_COSINE and result.passed is passes, result
+
+
+@pytest.mark.parametrize(("before", "after", "passes"), [
+    (40.04, 39.99, True),  # what TF32 did to a 28-pixel face on an H200 (bench/gpu.py)
+    (60.0, 30.0, False),  # a face that was sharp enough no longer is
+])
+def test_a_gate_measure_on_its_limit_may_fall_either_side(reference: precision.Reference, before: float,
+                                                          after: float, passes: bool) -> None:
+    from dataclasses import replace
+
+    group = next(f for f in reference.faces if len(f) == 6)
+    assert precision.QualityThresholds().min_blur == 40.0 and all(group.blur > 60)
+    ref = replace(group, blur=np.array([before, *group.blur[1:]], np.float32))
+    got = replace(group, blur=np.array([after, *group.blur[1:]], np.float32))
+    result = precision.compare_pipelines([ref], [got], 0.363, "detector", RuntimeChoice())
+    assert result.passed is passes and result.same_decisions is passes, result

@@ -1,0 +1,635 @@
+"""The GPU plan's first measurements (docs/gpu-plan.md), with PyTorch standing in for TensorRT.
+
+    python -m bench.gpu bundle --out gpu-bundle                  # here: what the GPU host needs, one folder
+    python -m bench.gpu run --bundle gpu-bundle --json gpu.json  # there: PyTorch with CUDA
+
+TensorRT cannot be installed on the machines this project is built and lent on (no TensorRT on PyPI that
+installs, none on the lent GPU host), so the gpu profile's ONNX files run with PyTorch operations
+(``bench.onnx_torch``), in float32 and in float16 (``torch.autocast``). That is the same arithmetic on the
+same GPU, not what a TensorRT plan reaches: TensorRT fuses layers and picks kernels per shape, and is
+usually faster than PyTorch. ``bundle`` copies what ``run`` needs from the gpu model
+repository (``python -m export defaults``) and the test photos (``python -m export photos``); ``run`` needs
+neither Triton nor FAISS. Parts, each timed on its own:
+
+- networks: the detector (the gpu profile's fixed 640x640 uint8 input) and the embedder (112x112 faces),
+  images per second at batch 1 ... 256, the inputs already on the device, run op by op (eager) and, on a
+  GPU, replayed as a CUDA graph (no Python or launch cost per operator: nearer what an engine pays);
+- precision: float16 (and float32) put through the check a TensorRT plan must pass
+  (``export.engine_check``: the same faces, box IoU, decisions; embedding cosine >= 0.999);
+- decode: the JPEG test photos decoded by nvJPEG (``torchvision.io.decode_jpeg`` on the GPU, a batch per
+  call) and by the decode ``face_pipeline`` uses (``facecore.processing.decode_sized``, full size and
+  reduced) on one core and on every core;
+- pipeline: one request = decode + ``facecore.run_pipeline`` (the Python work on a CPU core, the networks
+  on the device in float16), photos per second for a 1-face and a 6-face photo, in one process and in as
+  many processes as the gpu profile starts ``face_pipeline`` instances (the cores minus 2);
+- gallery: exact top-10 search in float16 (one matrix product and ``topk``) over 1M and 10M random
+  unit vectors of 128 and 512 dimensions, blocks of 1, 32 and 256 queries, and float16's recall@10
+  against float32 (the gallery data are random, not faces: a speed figure).
+
+``--device cpu`` runs the same code (the tests run it on tiny sizes); on CPU, reduced precision is
+bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from facecore.pipeline import PipelineSettings
+from facecore.processing import decode_sized
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = "settings.json"
+DETECTOR_FILE = "detector.onnx"
+EMBEDDER_FILE = "embedder.onnx"
+PHOTOS = "photos"
+#: The photos of the pipeline part: one face, six faces.
+PIPELINE_PHOTOS = ("obama.jpg", "t1.jpg")
+K = 10
+#: Seconds a pipeline worker may take to start (imports, CUDA, the networks) before the run gives up.
+STARTUP_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each part measures; ``tiny`` is what the tests run on a CPU."""
+
+    embedder_batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
+    detector_batches: tuple[int, ...] = (1, 8, 32, 64)
+    #: Seconds each timed point runs for (after a warm-up).
+    seconds: float = 0.5
+    decode_batch: int = 32
+    pipeline_seconds: float = 6.0
+    #: Processes of the pipeline part; 0 stands for the cores minus 2 (the gpu profile's instances).
+    pipeline_processes: tuple[int, ...] = (1, 0)
+    gallery_sizes: tuple[int, ...] = (1_000_000, 10_000_000)
+    gallery_dims: tuple[int, ...] = (128, 512)
+    gallery_blocks: tuple[int, ...] = (1, 32, 256)
+    recall_queries: int = 256
+
+    @classmethod
+    def tiny(cls) -> Sizes:
+        return cls((1, 2), (1,), 0.05, 2, 0.5, (2,), (2000,), (128,), (1, 4), 8)
+
+
+@dataclass
+class Report:
+    machine: dict[str, str] = field(default_factory=dict)
+    networks: list[dict[str, Any]] = field(default_factory=list)
+    precision: list[dict[str, Any]] = field(default_factory=list)
+    decode: list[dict[str, Any]] = field(default_factory=list)
+    pipeline: list[dict[str, Any]] = field(default_factory=list)
+    gallery: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+# --- bundle (runs where the model repository is) --------------------------------------------------------
+
+def bundle(repository: Path, photos: Path, out: Path) -> Path:
+    """Copy the gpu profile's two ONNX files, ``face_pipeline``'s settings and the photos into ``out``."""
+    from export.served import latest_version, read_config
+
+    pipeline = read_config(repository / "face_pipeline")
+    parameters = {k: v.string_value for k, v in pipeline.parameters.items()}
+    settings = PipelineSettings.from_parameters(parameters)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, target in ((settings.detector_model, DETECTOR_FILE), (settings.embedder_model, EMBEDDER_FILE)):
+        shutil.copyfile(latest_version(repository / name) / "model.onnx", out / target)
+    (out / SETTINGS).write_text(json.dumps(parameters, indent=1) + "\n")
+    (out / PHOTOS).mkdir(exist_ok=True)
+    for path in sorted(photos.glob("*")):
+        if path.is_file() and path.suffix in (".jpg", ".png"):
+            shutil.copyfile(path, out / PHOTOS / path.name)
+    return out
+
+
+def load_settings(folder: Path) -> PipelineSettings:
+    return PipelineSettings.from_parameters(json.loads((folder / SETTINGS).read_text()))
+
+
+# --- the networks as PyTorch modules ------------------------------------------------------------------
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def reduced_dtype(device: str) -> Any:
+    torch = _torch()
+    return torch.float16 if device.startswith("cuda") else torch.bfloat16
+
+
+def precisions(device: str) -> list[tuple[str, bool]]:
+    """(name, reduced) of the precisions measured: float32, and on a GPU float16. On a CPU (the tests) the
+    reduced precision is left out: there it is emulated on most CPUs, and this benchmark is for GPUs."""
+    if not device.startswith("cuda"):
+        return [("float32", False)]
+    return [("float32", False), (str(reduced_dtype(device)).removeprefix("torch."), True)]
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        _torch().cuda.synchronize()
+
+
+def module_runner(path: Path, output_names: Sequence[str], device: str, reduced: bool, graphs: bool = False
+                  ) -> Callable[[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]]]:
+    """A ``facecore.runtimes.Runner`` over the ONNX file run by PyTorch (``bench.onnx_torch``): numpy in,
+    numpy float32 out, in ``output_names`` order; ``reduced``: autocast to float16 (bfloat16 on a CPU);
+    ``graphs``: each input shape is captured once as a CUDA graph and replayed (a GPU only)."""
+    from bench.onnx_torch import OnnxModule, ordered
+
+    torch = _torch()
+    torch.backends.cudnn.benchmark = True  # cuDNN times its kernels per shape, as an engine build would
+    module = OnnxModule(path, device)
+    order = ordered(module, output_names)
+    dtype = reduced_dtype(device)
+    captured: dict[tuple[Any, ...], tuple[Any, Any, list[Any]]] = {}
+
+    def forward(x: Any) -> list[Any]:
+        with torch.inference_mode(), torch.autocast(device.split(":")[0], dtype=dtype, enabled=reduced,
+                                                    cache_enabled=False):
+            return module(x)
+
+    def run(batch: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+        x = torch.from_numpy(np.ascontiguousarray(batch))
+        if not graphs:
+            outs = forward(x.to(device))
+        else:
+            key = (tuple(x.shape), x.dtype)
+            if key not in captured:
+                static = x.to(device)
+                graph = cuda_graph(lambda: forward(static), keep=True)
+                captured[key] = (graph, static, graph.outputs)
+            graph, static, outs = captured[key]
+            static.copy_(x)
+            graph.replay()
+        return [outs[i].float().cpu().numpy() for i in order]
+
+    return run
+
+
+def _timed(call: Callable[[], Any], device: str, seconds: float) -> float:
+    """Median seconds per call: a warm-up, then three rounds of about ``seconds`` / 3 each."""
+    for _ in range(3):
+        call()
+    synchronize(device)
+    start = time.perf_counter()
+    call()
+    synchronize(device)
+    once = max(time.perf_counter() - start, 1e-6)
+    reps = max(1, int(seconds / 3 / once))
+    rounds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            call()
+        synchronize(device)
+        rounds.append((time.perf_counter() - start) / reps)
+    return statistics.median(rounds)
+
+
+class _Captured:
+    """A captured CUDA graph and the outputs its replays write to."""
+
+    def __init__(self, graph: Any, outputs: Any) -> None:
+        self.graph, self.outputs = graph, outputs
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _same(call: Callable[[], Any]) -> Callable[[], Any]:
+    return call
+
+
+def cuda_graph(call: Callable[[], Any], keep: bool = False) -> Any:
+    """``call`` captured once as a CUDA graph (its input tensors fixed): its ``replay``, or with ``keep`` an
+    object with ``replay()`` and the ``outputs`` each replay rewrites."""
+    torch = _torch()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as capture requires
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    return _Captured(graph, outputs) if keep else graph.replay
+
+
+def measure_networks(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes
+                     ) -> list[dict[str, Any]]:
+    from bench.onnx_torch import OnnxModule
+
+    torch = _torch()
+    torch.backends.cudnn.benchmark = True
+    rows: list[dict[str, Any]] = []
+    dtype = reduced_dtype(device)
+    for role, spec, batches, file in (("detector", settings.detector, sizes.detector_batches, DETECTOR_FILE),
+                                      ("embedder", settings.embedder, sizes.embedder_batches, EMBEDDER_FILE)):
+        module = OnnxModule(folder / file, device)
+        width, height = spec.input_size
+        for batch in batches:
+            if role == "detector":  # the served detector: uint8 NHWC, letterboxed BGR
+                x = torch.randint(0, 256, (batch, height, width, 3), dtype=torch.uint8, device=device)
+            else:
+                x = torch.rand((batch, 3, height, width), device=device) * 255
+            for precision, reduced in precisions(device):
+                def call(m: Any = module, x: Any = x, reduced: bool = reduced) -> Any:
+                    with torch.inference_mode(), torch.autocast(device.split(":")[0], dtype=dtype,
+                                                                enabled=reduced, cache_enabled=False):
+                        return m(x)
+
+                runs: list[tuple[str, Callable[[], Callable[[], Any]]]] = [("eager", partial(_same, call))]
+                if device.startswith("cuda"):
+                    runs.append(("cuda graph", partial(cuda_graph, call)))
+                for how, make in runs:
+                    try:
+                        seconds = _timed(make(), device, sizes.seconds)
+                    except RuntimeError as exc:  # a capture that fails loses that row, not the part
+                        rows.append({"network": role, "precision": precision, "run": how, "batch": batch,
+                                     "error": str(exc)[:300]})
+                        continue
+                    rows.append({"network": role, "input": f"{width}x{height}", "precision": precision,
+                                 "run": how, "batch": batch, "ms_per_batch": seconds * 1000,
+                                 "per_second": batch / seconds})
+                    log.info("%s %s %s batch %d: %.3f ms, %.0f/s", role, precision, how, batch,
+                             seconds * 1000, batch / seconds)
+        del module
+    return rows
+
+
+def _plan_runner(path: Path, names: Sequence[str], device: str, reduced: bool
+                 ) -> Callable[[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]]]:
+    return module_runner(path, names, device, reduced)
+
+
+def precision_variants(device: str) -> list[tuple[str, bool, bool]]:
+    """(name, reduced, tf32) of the precision checks: on a GPU float32 as cuDNN and cuBLAS run it by default
+    (TF32 tensor cores on Ampere and later, as TensorRT's FP32 builds do by default), strict float32 and
+    float16; on a CPU float32."""
+    if not device.startswith("cuda"):
+        return [("float32", False, False)]
+    return [("float32 (tf32 allowed)", False, True), ("float32 (tf32 off)", False, False),
+            (precisions(device)[-1][0], True, False)]
+
+
+def _set_tf32(allowed: bool) -> None:
+    torch = _torch()
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
+
+
+def measure_precision(folder: Path, settings: PipelineSettings, device: str) -> list[dict[str, Any]]:
+    """``export.engine_check``'s checks with the ONNX files run by PyTorch in place of TensorRT plans, and
+    for the detector what moved: every decision that changed, and the largest change of each measure the
+    decisions are made from."""
+    from export.engine_check import EngineChecker, _detector, _embedder, load_check_images, onnx_runner
+    from facecore.pipeline import run_pipeline
+
+    rows = []
+    images = load_check_images(folder / PHOTOS)
+    detector, embedder = folder / DETECTOR_FILE, folder / EMBEDDER_FILE
+    reference = EngineChecker(settings, images, onnx_runner).reference(detector, embedder)
+    tf32 = (_torch().backends.cuda.matmul.allow_tf32, _torch().backends.cudnn.allow_tf32)
+    try:
+        for precision, reduced, allow_tf32 in precision_variants(device):
+            _set_tf32(allow_tf32)
+            checker = EngineChecker(settings, images,
+                                    partial(_plan_runner, device=device, reduced=reduced))
+            checker._references[(detector, embedder)] = reference  # computed once for every variant
+            for check in (checker.check_detector(detector, detector, embedder, precision),
+                          checker.check_embedder(embedder, embedder, detector, precision)):
+                row = {**asdict(check), "runtime": f"pytorch {device}"}
+                if check.network == "detector":
+                    got = run_pipeline(images, [settings.default_options] * len(images), settings,
+                                       _detector(module_runner(detector, settings.detector.output_names,
+                                                               device, reduced)),
+                                       _embedder(onnx_runner(embedder, settings.embedder.output_names)))
+                    row |= moved(reference, got, settings.embedder.match_threshold)
+                rows.append(row)
+                log.info("precision (PyTorch on %s): %s", device, check.summary().replace("tensorrt ", ""))
+                for change in row.get("changed", []):
+                    log.info("  changed: %s", change)
+    finally:
+        _set_tf32(tf32[0])
+        _torch().backends.cudnn.allow_tf32 = tf32[1]
+    return rows
+
+
+def moved(reference: Sequence[Any], candidate: Sequence[Any], threshold: float) -> dict[str, Any]:
+    """What a candidate pipeline changed against the reference (``export.precision``'s decisions): each
+    changed decision with the values it was made from, and the largest change of each measure."""
+    from export.precision import matched
+    from facecore.quality import QualityThresholds, assess
+
+    gate = QualityThresholds()
+    pairs = [matched(r, c) for r, c in zip(reference, candidate, strict=True)]
+    changed: list[dict[str, Any]] = []
+    largest: dict[str, float] = {}
+    if any(len(r) != len(c) for r, c in zip(reference, pairs, strict=True)):
+        return {"changed": [{"kind": "faces", "what": "another number of faces"}], "largest_change": {}}
+    for image, (r, c) in enumerate(zip(reference, pairs, strict=True)):
+        if len(r) > 1 and int(np.argmax(r.areas())) != int(np.argmax(c.areas())):
+            areas = np.sort(r.areas())[::-1]
+            changed.append({"kind": "largest face", "image": image,
+                            "reference_ratio": float(areas[0] / areas[1])})
+        for face in range(len(r)):
+            a = assess(r.boxes[face], r.landmarks[face], float(r.blur[face]), float(r.scores[face]))
+            b = assess(c.boxes[face], c.landmarks[face], float(c.blur[face]), float(c.scores[face]))
+            for key, value in asdict(a).items():
+                relative = abs(asdict(b)[key] - value) / max(abs(value), 1e-9)
+                largest[key] = max(largest.get(key, 0.0), relative)
+            if a.rejections(gate) != b.rejections(gate):
+                changed.append({"kind": "quality gate", "image": image, "face": face,
+                                "reference": a.as_dict(), "candidate": b.as_dict(),
+                                "reference_rejections": [x.value for x in a.rejections(gate)],
+                                "candidate_rejections": [x.value for x in b.rejections(gate)]})
+    ref_all = np.concatenate([r.embeddings for r in reference])
+    got_all = np.concatenate([c.embeddings for c in pairs])
+    ref_cos, got_cos = ref_all @ ref_all.T, got_all @ got_all.T
+    upper = np.triu_indices(len(ref_all), 1)
+    largest["pair_cosine_absolute"] = float(np.abs(ref_cos - got_cos)[upper].max(initial=0.0))
+    for i, j in zip(*upper, strict=True):
+        if (ref_cos[i, j] >= threshold) != (got_cos[i, j] >= threshold):
+            changed.append({"kind": "same/different", "faces": [int(i), int(j)],
+                            "reference_cosine": float(ref_cos[i, j]),
+                            "candidate_cosine": float(got_cos[i, j])})
+    return {"changed": changed, "largest_change": largest}
+
+
+# --- decode ------------------------------------------------------------------------------------------
+
+def _decode_many(args: tuple[bytes, int, int, int]) -> int:
+    data, max_pixels, min_side, count = args
+    import cv2
+
+    cv2.setNumThreads(1)
+    for _ in range(count):
+        decode_sized(data, max_pixels, min_side)
+    return count
+
+
+def measure_decode(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes, cores: int
+                   ) -> list[dict[str, Any]]:
+    torch = _torch()
+    rows: list[dict[str, Any]] = []
+    photos = {p.name: p.read_bytes() for p in sorted((folder / PHOTOS).glob("*.jpg"))}
+    context = mp.get_context("spawn")
+    with ProcessPoolExecutor(cores, mp_context=context) as pool:
+        list(pool.map(_decode_many, [(b"", 0, 0, 0)] * cores))  # start the workers before timing
+        for name, data in photos.items():
+            for min_side in sorted({0, settings.decode_min_side}):
+                image, size = decode_sized(data, settings.max_pixels, min_side)
+                one = _timed(partial(decode_sized, data, settings.max_pixels, min_side), "cpu",
+                             sizes.seconds)
+                per_worker = max(1, int(sizes.seconds / one))
+                start = time.perf_counter()
+                work = [(data, settings.max_pixels, min_side, per_worker)] * cores
+                done = sum(pool.map(_decode_many, work))
+                elapsed = time.perf_counter() - start
+                rows.append({"photo": name, "size": f"{size[0]}x{size[1]}",
+                             "decoded": f"{image.shape[1]}x{image.shape[0]}",
+                             "decoder": "cpu (facecore decode_sized)", "ms_one": one * 1000,
+                             "per_second_one_core": 1 / one, "cores": cores,
+                             "per_second_all_cores": done / elapsed})
+            if not device.startswith("cuda"):
+                continue
+            from torchvision.io import decode_jpeg
+
+            encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            for batch in (1, sizes.decode_batch):
+                images = [encoded] * batch
+                row: dict[str, Any] = {"photo": name, "batch": batch,
+                                       "decoder": "nvjpeg (torchvision decode_jpeg, device cuda)"}
+                try:
+                    seconds = _timed(partial(decode_jpeg, images, device=device), device, sizes.seconds)
+                except RuntimeError as exc:  # nvJPEG refusing one photo loses that row only
+                    rows.append(row | {"error": str(exc)[:300]})
+                    continue
+                rows.append(row | {"ms_per_batch": seconds * 1000, "per_second": batch / seconds})
+            log.info("decode %s done", name)
+    return rows
+
+
+# --- the pipeline, end to end --------------------------------------------------------------------------
+
+def _pipeline_worker(folder: str, device: str, graphs: bool, names: Sequence[str], seconds: float,
+                     barrier: Any, results: Any) -> None:
+    import cv2
+
+    from facecore.pipeline import run_pipeline
+    from facecore.processing import decode_sized
+
+    torch = _torch()
+    torch.set_num_threads(1)
+    cv2.setNumThreads(1)
+    path = Path(folder)
+    settings = load_settings(path)
+    reduced = precisions(device)[-1][1]
+    detect_run = module_runner(path / DETECTOR_FILE, settings.detector.output_names, device, reduced, graphs)
+    embed_run = module_runner(path / EMBEDDER_FILE, settings.embedder.output_names, device, reduced, graphs)
+
+    def detect(batch: np.ndarray[Any, Any]) -> Any:
+        loc, conf, landmarks = detect_run(batch)
+        return loc, conf, landmarks
+
+    def embed(batch: np.ndarray[Any, Any]) -> Any:
+        return embed_run(batch)[0]
+
+    def request(data: bytes) -> int:
+        image, size = decode_sized(data, settings.max_pixels, settings.decode_min_side)
+        sizes = None if (image.shape[1], image.shape[0]) == size else [size]
+        faces = run_pipeline([image], [settings.default_options], settings, detect, embed, sizes)
+        return len(faces[0])
+
+    photos = {name: (path / PHOTOS / name).read_bytes() for name in names}
+    found = {name: [request(data) for _ in range(3)][-1] for name, data in photos.items()}
+    for name, data in photos.items():
+        barrier.wait()
+        latencies = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            request(data)
+            latencies.append(time.perf_counter() - start)
+        results.put((name, found[name], len(latencies), statistics.median(latencies)))
+
+
+def measure_pipeline(folder: Path, device: str, sizes: Sizes, cores: int) -> list[dict[str, Any]]:
+    rows = []
+    context = mp.get_context("spawn")
+    names = [n for n in PIPELINE_PHOTOS if (folder / PHOTOS / n).exists()]
+    runs = [("eager", False)] + ([("cuda graphs", True)] if device.startswith("cuda") else [])
+    for (how, graphs), wanted in itertools.product(runs, sizes.pipeline_processes):
+        processes = wanted or max(1, cores - 2)
+        barrier, results = context.Barrier(processes + 1), context.Queue()
+        workers = [context.Process(target=_pipeline_worker, args=(
+                       str(folder), device, graphs, names, sizes.pipeline_seconds, barrier, results))
+                   for _ in range(processes)]
+        for w in workers:
+            w.start()
+        try:
+            for name in names:
+                barrier.wait(timeout=STARTUP_SECONDS)  # broken (an error) if a worker died before it
+                wait = sizes.pipeline_seconds + STARTUP_SECONDS
+                got = [results.get(timeout=wait) for _ in range(processes)]
+                rows.append({"photo": name, "faces": got[0][1], "processes": processes, "networks": how,
+                             "photos_per_second": sum(g[2] for g in got) / sizes.pipeline_seconds,
+                             "median_ms": statistics.median(g[3] for g in got) * 1000})
+                log.info("pipeline %s x%d, %s: %.0f photos/s, median %.1f ms", name, processes, how,
+                         rows[-1]["photos_per_second"], rows[-1]["median_ms"])
+        finally:
+            for w in workers:
+                w.join(timeout=10)
+                if w.is_alive():
+                    w.terminate()
+    return rows
+
+
+# --- gallery -----------------------------------------------------------------------------------------
+
+def measure_gallery(device: str, sizes: Sizes) -> list[dict[str, Any]]:
+    torch = _torch()
+    rows: list[dict[str, Any]] = []
+    dtype = reduced_dtype(device)
+    generator = torch.Generator(device=device).manual_seed(7)
+    for dim in sizes.gallery_dims:
+        for count in sizes.gallery_sizes:
+            faces = torch.randn((count, dim), generator=generator, device=device, dtype=dtype)
+            faces /= faces.float().norm(dim=1, keepdim=True).to(dtype)
+            picked = torch.randint(0, count, (max(*sizes.gallery_blocks, sizes.recall_queries),),
+                                   generator=generator, device=device)
+            queries = faces[picked].float() + 0.6 * torch.randn((len(picked), dim), generator=generator,
+                                                                 device=device) / dim ** 0.5
+            queries = (queries / queries.norm(dim=1, keepdim=True)).to(dtype)
+            recall = None
+            if count == min(sizes.gallery_sizes):
+                recall = _recall(faces, queries[: sizes.recall_queries])
+            for block in sizes.gallery_blocks:
+                q = queries[:block]
+                seconds = _timed(partial(_top, q, faces), device, sizes.seconds)
+                rows.append({"faces": count, "dim": dim, "dtype": str(dtype).removeprefix("torch."),
+                             "block": block, "ms_per_block": seconds * 1000,
+                             "queries_per_second": block / seconds,
+                             "bytes_per_million": dim * faces.element_size() * 1_000_000,
+                             "recall_at_10_vs_float32": recall})
+                log.info("gallery %d x %d block %d: %.3f ms", count, dim, block, seconds * 1000)
+            del faces, queries
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _top(queries: Any, faces: Any) -> Any:
+    return _torch().topk(queries @ faces.T, K, dim=1)
+
+
+def _recall(faces: Any, queries: Any) -> float:
+    """Float16 top-10 against float32 top-10 (no TF32) on the same vectors."""
+    torch = _torch()
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        exact = torch.topk(queries.float() @ faces.float().T, K, dim=1).indices
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    got = torch.topk(queries @ faces.T, K, dim=1).indices
+    hits = sum(len(set(a) & set(b)) for a, b in zip(exact.tolist(), got.tolist(), strict=True))
+    return hits / (K * len(exact))
+
+
+# --- the run -----------------------------------------------------------------------------------------
+
+def machine(device: str) -> dict[str, str]:
+    torch = _torch()
+    import cv2
+
+    from facecore.runtimes import cpu_model
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+            "opencv": cv2.__version__, "cpus": str(len(os.sched_getaffinity(0))), "cpu": cpu_model()}
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        info |= {"gpu": props.name, "gpu_memory_gib": f"{props.total_memory / 2**30:.0f}",
+                 "cuda": str(torch.version.cuda), "cudnn": str(torch.backends.cudnn.version())}
+    return info
+
+
+PARTS = ("networks", "precision", "decode", "pipeline", "gallery")
+
+
+def run(folder: Path, device: str, sizes: Sizes, parts: Sequence[str], json_path: Path | None) -> Report:
+    """Every part in ``parts``; a part that fails is recorded in ``errors`` and the others still run."""
+    report = Report(machine=machine(device))
+    settings = load_settings(folder)
+    cores = len(os.sched_getaffinity(0))
+    steps: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "networks": lambda: measure_networks(folder, settings, device, sizes),
+        "precision": lambda: measure_precision(folder, settings, device),
+        "decode": lambda: measure_decode(folder, settings, device, sizes, cores),
+        "pipeline": lambda: measure_pipeline(folder, device, sizes, cores),
+        "gallery": lambda: measure_gallery(device, sizes),
+    }
+    for part in parts:
+        started = time.perf_counter()
+        try:
+            setattr(report, part, steps[part]())
+        except Exception as exc:
+            log.exception("part %s failed", part)
+            report.errors.append(f"{part}: {type(exc).__name__}: {exc}")
+        log.info("part %s: %.1f s", part, time.perf_counter() - started)
+        if json_path is not None:  # after every part: a run cut short keeps what it measured
+            json_path.write_text(json.dumps(asdict(report), indent=1) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bundle", help="copy the gpu profile's networks, settings and photos into one folder")
+    b.add_argument("--repository", type=Path, default=ROOT / "model_repository" / "gpu")
+    b.add_argument("--photos", type=Path, default=ROOT / "artifacts" / "photos")
+    b.add_argument("--out", type=Path, required=True)
+    r = sub.add_parser("run", help="measure (needs PyTorch; CUDA and torchvision for the GPU figures)")
+    r.add_argument("--bundle", type=Path, required=True, help="a folder written by `bundle`")
+    r.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    r.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    r.add_argument("--tiny", action="store_true", help="tiny sizes (what the tests run)")
+    r.add_argument("--json", type=Path, help="write the figures here (after every part)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if args.command == "bundle":
+        print(bundle(args.repository, args.photos, args.out))
+        return 0
+    if args.device.startswith("cuda") and not _torch().cuda.is_available():
+        raise SystemExit("no CUDA device visible to PyTorch: run with --device cpu, or on a GPU host")
+    report = run(args.bundle, args.device, Sizes.tiny() if args.tiny else Sizes(), args.parts, args.json)
+    print(json.dumps(asdict(report), indent=1))
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
