@@ -567,10 +567,12 @@ def machine(device: str) -> dict[str, str]:
     torch = _torch()
     import cv2
 
+    from facecore import jpeg
     from facecore.runtimes import cpu_model
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-            "opencv": cv2.__version__, "cpus": str(len(os.sched_getaffinity(0))), "cpu": cpu_model()}
+            "opencv": cv2.__version__, "cpus": str(len(os.sched_getaffinity(0))), "cpu": cpu_model(),
+            "jpeg": f"simplejpeg {jpeg.turbo.__version__}" if jpeg.turbo else "OpenCV (simplejpeg absent)"}
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)
         info |= {"gpu": props.name, "gpu_memory_gib": f"{props.total_memory / 2**30:.0f}",
@@ -606,7 +608,7 @@ def run(folder: Path, device: str, sizes: Sizes, parts: Sequence[str], json_path
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bundle", help="copy the gpu profile's networks, settings and photos into one folder")
@@ -619,7 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     r.add_argument("--tiny", action="store_true", help="tiny sizes (what the tests run)")
     r.add_argument("--json", type=Path, help="write the figures here (after every part)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if args.command == "bundle":
         print(bundle(args.repository, args.photos, args.out))

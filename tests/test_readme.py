@@ -33,6 +33,7 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from bench.gpu import build_parser as gpu_parser
 from export.__main__ import parser as export_parser
 from facecore.settings import GatewaySettings
 from gallery.__main__ import parser as gallery_parser
@@ -76,7 +77,8 @@ def _subcommands(parser: Any) -> set[str]:
     return set(action.choices)
 
 
-SUBCOMMANDS = {"export": _subcommands(export_parser()), "gallery": _subcommands(gallery_parser())}
+SUBCOMMANDS = {"export": _subcommands(export_parser()), "gallery": _subcommands(gallery_parser()),
+               "bench.gpu": _subcommands(gpu_parser())}
 
 
 @pytest.fixture(scope="module")
