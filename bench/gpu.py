@@ -108,6 +108,10 @@ def bundle(repository: Path, photos: Path, out: Path) -> Path:
     """Copy the gpu profile's two ONNX files, ``face_pipeline``'s settings and the photos into ``out``."""
     from export.served import latest_version, read_config
 
+    if not (repository / "face_pipeline" / "config.pbtxt").is_file():
+        raise FileNotFoundError(f"no gpu model repository at {repository}: run `python -m export defaults`")
+    if not (photos / "obama.jpg").is_file():
+        raise FileNotFoundError(f"no test photos in {photos}: run `python -m export photos --out {photos}`")
     pipeline = read_config(repository / "face_pipeline")
     parameters = {k: v.string_value for k, v in pipeline.parameters.items()}
     settings = PipelineSettings.from_parameters(parameters)
@@ -123,6 +127,9 @@ def bundle(repository: Path, photos: Path, out: Path) -> Path:
 
 
 def load_settings(folder: Path) -> PipelineSettings:
+    if not (folder / SETTINGS).is_file():
+        raise FileNotFoundError(f"{folder} is not a bundle (no {SETTINGS}): write one with "
+                                "`python -m bench.gpu bundle --out FOLDER`")
     return PipelineSettings.from_parameters(json.loads((folder / SETTINGS).read_text()))
 
 
@@ -627,9 +634,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    if args.command == "bundle":
-        print(bundle(args.repository, args.photos, args.out))
-        return 0
+    try:
+        if args.command == "bundle":
+            print(bundle(args.repository, args.photos, args.out))
+            return 0
+        load_settings(args.bundle)
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from exc
     if args.device.startswith("cuda") and not _torch().cuda.is_available():
         raise SystemExit("no CUDA device visible to PyTorch: run with --device cpu, or on a GPU host")
     report = run(args.bundle, args.device, Sizes.tiny() if args.tiny else Sizes(), args.parts, args.json)

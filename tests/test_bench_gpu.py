@@ -146,3 +146,10 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(bundle: Path, tmp_p
     assert len(report.errors) == 1 and report.errors[0].startswith("networks:")
     assert report.gallery
     assert json.loads((tmp_path / "out.json").read_text())["errors"] == report.errors
+
+
+def test_missing_inputs_are_named_with_the_command_that_makes_them(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"python -m export defaults"):
+        gpu.main(["bundle", "--repository", str(tmp_path / "none"), "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match=r"python -m bench\.gpu bundle"):
+        gpu.main(["run", "--bundle", str(tmp_path), "--device", "cpu"])
