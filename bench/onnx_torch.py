@@ -153,7 +153,7 @@ OPS: dict[str, Op] = {
     "Reshape": _reshape,
     "Flatten": _flatten,
     "Concat": lambda a, x: [torch.cat(x, a["axis"])],
-    "Shape": lambda a, x: [torch.tensor(x[0].shape, dtype=torch.int64)],
+    "Shape": lambda a, x: [torch.tensor(x[0].shape[a.get("start", 0):a.get("end")], dtype=torch.int64)],
     "Gather": _gather,
     "Unsqueeze": _unsqueeze,
     "Slice": _slice,

@@ -91,6 +91,20 @@ def test_softmax_follows_each_opsets_semantics(tmp_path: Path, opset: int) -> No
     np.testing.assert_allclose(_interpreted(path, x)[0], _onnxruntime(path, x)[0], rtol=1e-5, atol=1e-6)
 
 
+def test_shape_takes_its_start_and_end(tmp_path: Path) -> None:
+    """Opset 15 added ``start`` and ``end`` to Shape."""
+    import onnx
+
+    node = helper.make_node("Shape", ["x"], ["y"], start=1, end=-1)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.INT64, None)]
+    graph = helper.make_graph([node], "g", inputs, outputs)
+    path = tmp_path / "shape.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8), str(path))
+    x = np.zeros((2, 3, 4, 5), np.float32)
+    assert _interpreted(path, x)[0].tolist() == _onnxruntime(path, x)[0].tolist() == [3, 4]
+
+
 def test_an_operator_it_does_not_know_is_named(tmp_path: Path) -> None:
     import onnx
 
