@@ -347,44 +347,24 @@ def measure_precision(folder: Path, settings: PipelineSettings, device: str) -> 
 
 
 def moved(reference: Sequence[Any], candidate: Sequence[Any], threshold: float) -> dict[str, Any]:
-    """What a candidate pipeline changed against the reference (``export.precision``'s decisions): each
-    changed decision with the values it was made from, and the largest change of each measure."""
-    from export.precision import matched
-    from facecore.quality import QualityThresholds, assess
+    """What a candidate pipeline changed against the reference: each changed decision with the values it
+    was made from (``export.precision.decision_changes``), and the largest change of each measure."""
+    from export.precision import decision_changes, matched, qualities
 
-    gate = QualityThresholds()
     pairs = [matched(r, c) for r, c in zip(reference, candidate, strict=True)]
-    changed: list[dict[str, Any]] = []
-    largest: dict[str, float] = {}
     if any(len(r) != len(c) for r, c in zip(reference, pairs, strict=True)):
         return {"changed": [{"kind": "faces", "what": "another number of faces"}], "largest_change": {}}
-    for image, (r, c) in enumerate(zip(reference, pairs, strict=True)):
-        if len(r) > 1 and int(np.argmax(r.areas())) != int(np.argmax(c.areas())):
-            areas = np.sort(r.areas())[::-1]
-            changed.append({"kind": "largest face", "image": image,
-                            "reference_ratio": float(areas[0] / areas[1])})
-        for face in range(len(r)):
-            a = assess(r.boxes[face], r.landmarks[face], float(r.blur[face]), float(r.scores[face]))
-            b = assess(c.boxes[face], c.landmarks[face], float(c.blur[face]), float(c.scores[face]))
+    largest: dict[str, float] = {}
+    for r, c in zip(reference, pairs, strict=True):
+        for a, b in zip(qualities(r), qualities(c), strict=True):
             for key, value in asdict(a).items():
                 relative = abs(asdict(b)[key] - value) / max(abs(value), 1e-9)
                 largest[key] = max(largest.get(key, 0.0), relative)
-            if a.rejections(gate) != b.rejections(gate):
-                changed.append({"kind": "quality gate", "image": image, "face": face,
-                                "reference": a.as_dict(), "candidate": b.as_dict(),
-                                "reference_rejections": [x.value for x in a.rejections(gate)],
-                                "candidate_rejections": [x.value for x in b.rejections(gate)]})
     ref_all = np.concatenate([r.embeddings for r in reference])
     got_all = np.concatenate([c.embeddings for c in pairs])
-    ref_cos, got_cos = ref_all @ ref_all.T, got_all @ got_all.T
-    upper = np.triu_indices(len(ref_all), 1)
-    largest["pair_cosine_absolute"] = float(np.abs(ref_cos - got_cos)[upper].max(initial=0.0))
-    for i, j in zip(*upper, strict=True):
-        if (ref_cos[i, j] >= threshold) != (got_cos[i, j] >= threshold):
-            changed.append({"kind": "same/different", "faces": [int(i), int(j)],
-                            "reference_cosine": float(ref_cos[i, j]),
-                            "candidate_cosine": float(got_cos[i, j])})
-    return {"changed": changed, "largest_change": largest}
+    pair_change = np.abs(ref_all @ ref_all.T - got_all @ got_all.T)
+    largest["pair_cosine_absolute"] = float(pair_change.max(initial=0.0))
+    return {"changed": decision_changes(reference, pairs, threshold), "largest_change": largest}
 
 
 # --- decode ------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -179,23 +180,23 @@ class OnnxModule:
         self.constants = {t.name: _placed(numpy_helper.to_array(t), device) for t in graph.initializer}
         self.input_names = [i.name for i in graph.input if i.name not in self.constants]
         self.output_names = [o.name for o in graph.output]
-        self.nodes: list[tuple[str, list[str], list[str], dict[str, Any]]] = []
+        self.nodes: list[tuple[Op, list[str], list[str], dict[str, Any]]] = []
         for node in graph.node:
             attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             if node.op_type == "Constant":
                 self.constants[node.output[0]] = _placed(numpy_helper.to_array(attributes["value"]), device)
                 continue
-            if node.op_type not in OPS and node.op_type != "Softmax":
+            op = partial(_softmax, opset=self.opset) if node.op_type == "Softmax" else OPS.get(node.op_type)
+            if op is None:
                 raise NotImplementedError(f"ONNX operator {node.op_type} ({node.name}) is not supported")
-            self.nodes.append((node.op_type, list(node.input), list(node.output), attributes))
+            self.nodes.append((op, list(node.input), list(node.output), attributes))
 
     def __call__(self, *inputs: Any) -> list[Any]:
         values: dict[str, Any] = dict(self.constants)
         values.update(zip(self.input_names, inputs, strict=True))
         for op, names, outputs, attributes in self.nodes:
             args = [values[n] if n else None for n in names]
-            results = _softmax(attributes, args, self.opset) if op == "Softmax" else OPS[op](attributes, args)
-            values.update(zip(outputs, results, strict=False))
+            values.update(zip(outputs, op(attributes, args), strict=False))
         return [values[n] for n in self.output_names]
 
 

@@ -108,14 +108,6 @@ def _iou(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> float:
     return float(inter / union) if union > 0 else 0.0
 
 
-def _same_pairs(reference: np.ndarray[Any, Any], candidate: np.ndarray[Any, Any], threshold: float) -> bool:
-    """The same same/different decision for every pair of faces whose reference cosine is clear of the
-    threshold by more than ``PAIR_MARGIN``."""
-    ref, got = reference @ reference.T, candidate @ candidate.T
-    flipped = (ref >= threshold) != (got >= threshold)
-    return not bool(np.any(flipped & (np.abs(ref - threshold) > PAIR_MARGIN)))
-
-
 def _near(value: float, limit: float) -> bool:
     return abs(value - limit) <= GATE_MARGIN * abs(limit)
 
@@ -132,23 +124,41 @@ def _borderline(quality: FaceQuality, reason: Rejection, gate: QualityThresholds
     return _near(quality.detection_score, gate.min_detection_score)
 
 
-def _qualities(faces: Faces) -> list[FaceQuality]:
+def qualities(faces: Faces) -> list[FaceQuality]:
+    """Each face's quality-gate measures."""
     return [assess(faces.boxes[i], faces.landmarks[i], float(faces.blur[i]), float(faces.scores[i]))
             for i in range(len(faces))]
 
 
-def _same_enrollment(reference: Sequence[Faces], candidate: Sequence[Faces]) -> bool:
-    """Per image the same largest face, and per face the same quality-gate rejections (default gate), but
-    for a rejection whose measure sits within ``GATE_MARGIN`` of its limit in the reference."""
+def decision_changes(reference: Sequence[Faces], candidate: Sequence[Faces], threshold: float
+                     ) -> list[dict[str, Any]]:
+    """Every decision the candidate makes otherwise, with the values it was made from; the faces are those
+    of the reference, in its order (``matched``), as many per image. ``borderline``: the reference's measure
+    sits on the threshold (a pair's cosine within ``PAIR_MARGIN``, a gate measure within ``GATE_MARGIN`` of
+    its limit), so either outcome is the same decision."""
     gate = QualityThresholds()
-    for r, c in zip(reference, candidate, strict=True):
+    changes: list[dict[str, Any]] = []
+    for image, (r, c) in enumerate(zip(reference, candidate, strict=True)):
         if len(r) and int(np.argmax(r.areas())) != int(np.argmax(c.areas())):
-            return False
-        for ref, got in zip(_qualities(r), _qualities(c), strict=True):
+            areas = np.sort(r.areas())[::-1]
+            changes.append({"kind": "largest face", "image": image, "borderline": False,
+                            "reference_ratio": float(areas[0] / areas[1])})
+        for face, (ref, got) in enumerate(zip(qualities(r), qualities(c), strict=True)):
             changed = set(ref.rejections(gate)) ^ set(got.rejections(gate))
-            if any(not _borderline(ref, reason, gate) for reason in changed):
-                return False
-    return True
+            if changed:
+                changes.append({"kind": "quality gate", "image": image, "face": face,
+                                "borderline": all(_borderline(ref, reason, gate) for reason in changed),
+                                "reference": ref.as_dict(), "candidate": got.as_dict(),
+                                "reference_rejections": [x.value for x in ref.rejections(gate)],
+                                "candidate_rejections": [x.value for x in got.rejections(gate)]})
+    ref_all = np.concatenate([r.embeddings for r in reference])
+    got_all = np.concatenate([c.embeddings for c in candidate])
+    ref_cos, got_cos = ref_all @ ref_all.T, got_all @ got_all.T
+    for i, j in zip(*np.nonzero(np.triu((ref_cos >= threshold) != (got_cos >= threshold), 1)), strict=True):
+        changes.append({"kind": "same/different", "faces": [int(i), int(j)],
+                        "borderline": bool(abs(ref_cos[i, j] - threshold) <= PAIR_MARGIN),
+                        "reference_cosine": float(ref_cos[i, j]), "candidate_cosine": float(got_cos[i, j])})
+    return changes
 
 
 def matched(reference: Faces, candidate: Faces) -> Faces:
@@ -180,10 +190,8 @@ def compare_pipelines(reference: Sequence[Faces], candidate: Sequence[Faces], th
         if len(r) == len(c):
             cosines += np.sum(r.embeddings * c.embeddings, axis=1).tolist()
             ious += [_iou(a, b) for a, b in zip(r.boxes, c.boxes, strict=True)]
-    ref_all = np.concatenate([r.embeddings for r in reference]) if same_faces else np.zeros((0, 1))
-    cand_all = np.concatenate([c.embeddings for c in candidate]) if same_faces else np.zeros((0, 1))
-    same_decisions = same_faces and _same_pairs(ref_all, cand_all, threshold)
-    same_decisions = same_decisions and _same_enrollment(reference, candidate)
+    same_decisions = same_faces and all(change["borderline"] for change in
+                                        decision_changes(reference, candidate, threshold))
     worst_cosine, worst_iou = min(cosines, default=0.0), min(ious, default=0.0)
     reasons = [text for failed, text in (
         (not same_faces, "other faces found"), (worst_iou < BOX_IOU, f"box IoU {worst_iou:.4f} < {BOX_IOU}"),
