@@ -25,6 +25,7 @@ import re
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -201,9 +202,12 @@ def test_gpu_and_cpu_triton(models: dict[str, Any]) -> None:
         assert "facecore.probe" in triton["healthcheck"]["test"]  # more in test_deploy_gpu.py
 
 
-def test_gateway_wiring(models: dict[str, Any]) -> None:
+def test_gateway_wiring(models: dict[str, Any], gateway_entry: ModuleType) -> None:
     services = models["gpu"]["services"]
     env = services["gateway"]["environment"]
+    # Docker's default 10 s would kill the gateway during its graceful shutdown, before the final snapshot
+    grace = re.fullmatch(r"(\d+)s", services["gateway"]["stop_grace_period"])
+    assert grace is not None and int(grace.group(1)) > gateway_entry.GRACEFUL_SHUTDOWN_S
     host, port = env["FACEREC_TRITON__URL"].split(":")
     assert host == "triton" and container_port(services["triton"], port)
     postgres = services["postgres"]["environment"]

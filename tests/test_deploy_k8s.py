@@ -86,7 +86,8 @@ def test_kustomization(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
                   for c in d["spec"]["template"]["spec"]["containers"]]
     assert images == {c["image"].split(":")[0] for c in containers if c["image"].startswith("facerec/")}
     for container in containers:
-        for ref in (e["valueFrom"]["secretKeyRef"] for e in container.get("env", []) if "valueFrom" in e):
+        for ref in (e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+                    if "secretKeyRef" in e.get("valueFrom", {})):
             assert ref["name"] == generator["name"] and ref["key"] in example
         for source in container.get("envFrom", []):
             if "secretRef" in source:
@@ -119,7 +120,12 @@ def test_k8s_triton(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # sized by the pod's CPU request: without a CPU limit the entrypoint's "auto" would see the whole node
+    (instances,) = (e["valueFrom"]["resourceFieldRef"] for e in container["env"]
+                    if e["name"] == "FACEREC_PIPELINE_INSTANCES")
+    assert instances == {"containerName": container["name"], "resource": "requests.cpu"}
+    assert int(container["resources"]["requests"]["cpu"]) >= 2
     engines = volumes[mounts[env["FACEREC_ENGINE_CACHE"]]]
     assert ("PersistentVolumeClaim", engines["persistentVolumeClaim"]["claimName"]) in k8s
     assert env["FACEREC_MODEL_REPOSITORY"].startswith(next(p for p in mounts if p == "/models") + "/")
@@ -138,6 +144,8 @@ def test_k8s_gateway(k8s: dict[tuple[str, str], dict[str, Any]], app_routes: set
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] in app_routes
     assert container["resources"]["requests"]["cpu"], "the CPU autoscaler needs a CPU request"
+    # a stop lets requests finish, then writes the final snapshot: the pod must not be killed before
+    assert _pod(deployment)["spec"]["terminationGracePeriodSeconds"] > gateway_entry.GRACEFUL_SHUTDOWN_S
     assert {str(p["containerPort"]) for p in container["ports"]} == exposed_ports(DOCKERFILES["gateway"])
     hpa = k8s[("HorizontalPodAutoscaler", "gateway")]
     assert hpa["apiVersion"] == "autoscaling/v2"

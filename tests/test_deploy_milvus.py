@@ -103,7 +103,17 @@ def test_helm_values_are_a_durable_cluster_sized_for_ten_million_faces() -> None
     query = values["queryNode"]
     vectors_gib = 10_000_000 * 512 * 4 / 2**30  # FLAT keeps float32 vectors in the query nodes' memory
     assert query["replicas"] * gibibytes(query["resources"]["requests"]["memory"]) >= 1.3 * vectors_gib
-    assert values["pulsar"]["enabled"] != values["kafka"]["enabled"]  # exactly one log broker
+    brokers = [name for name in ("pulsar", "pulsarv3", "kafka") if values[name]["enabled"]]
+    assert brokers == ["pulsar"], brokers  # exactly one log broker, the one chart 4.2.24 wires Milvus 2.4 to
+    # chart 4.2.4+ runs coordination in the mixCoordinator (the separate coordinators are off by default):
+    # disabling it leaves a cluster with no coordinator at all
+    assert values.get("mixCoordinator", {}).get("enabled", True) is True
+    assert not any(values.get(f"{role}Coordinator", {}).get("enabled")
+                   for role in ("root", "query", "data", "index"))
+    # the chart release built for the pinned server, in the values' own command and in the docs
+    assert values["image"]["all"]["tag"] == "v2.4.17"
+    for text in ((HELM / "values.yaml").read_text(), (ROOT / "docs" / "deploy.md").read_text()):
+        assert "milvus/milvus --namespace facerec --version 4.2.24 " in text
 
 
 def test_kustomize_overlay_switches_the_gateways_to_the_chart_service(

@@ -113,6 +113,8 @@ def _dashboard() -> dict[str, Any]:
 def _queries(dashboard: dict[str, Any]) -> list[str]:
     queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     for variable in dashboard.get("templating", {}).get("list", []):
+        if variable["type"] == "datasource":  # its query is a datasource type, not PromQL
+            continue
         query = variable.get("query")
         queries.append(query["query"] if isinstance(query, dict) else str(query))
     return queries
@@ -151,11 +153,17 @@ def test_dashboard_structure_and_provisioning(models: dict[str, Any]) -> None:
     provisioning = DEPLOY / "grafana" / "provisioning"
     datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
     source = datasources["datasources"][0]
+    # every query goes through the datasource variable, so an imported copy works with any Prometheus
+    # (Kubernetes users import the file into their own Grafana); compose's provisioned one is the default
+    (variable,) = (v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    assert variable["query"] == "prometheus" and source["isDefault"] is True
+    chosen = {"type": "prometheus", "uid": f"${{{variable['name']}}}"}
+    assert all(v["datasource"] == chosen for v in dashboard["templating"]["list"] if "datasource" in v)
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
         assert {"h", "w", "x", "y"} <= set(grid) and grid["x"] + grid["w"] <= 24
         for target in panel.get("targets", []):
-            assert target["datasource"]["uid"] == source["uid"], panel["title"]
+            assert target["datasource"] == chosen, panel["title"]
     services = models["gpu"]["services"]
     assert source["url"] == "http://prometheus:9090"
     published = [port_spec(p) for p in services["prometheus"]["ports"] if port_spec(p).published]

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from facecore.settings import GatewaySettings
 
 
+#: How long a stop waits for requests in flight; the final gallery snapshot is written after it. Compose's
+#: ``stop_grace_period`` and Kubernetes' ``terminationGracePeriodSeconds`` must be longer.
+GRACEFUL_SHUTDOWN_S = 20
+
+
 def load_settings() -> GatewaySettings:
     """Settings from ``os.environ``; a readable SystemExit (no secret values) when they are incomplete."""
     from facecore.settings import GatewaySettings, load_settings
@@ -52,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_config=None, access_log=False,
                 proxy_headers=True, forwarded_allow_ips=args.forwarded_allow_ips,
-                timeout_graceful_shutdown=20)
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return 0
 
 
