@@ -30,18 +30,34 @@ _EXIF = b"Exif\x00\x00"
 _ORIENTATION_TAG = 0x0112
 
 
+#: Marker segments a JPEG may have before its first scan. Real files have tens (APPn metadata split in
+#: 64 KiB chunks stays in the hundreds for a 10 MiB upload); a body of empty segments would otherwise
+#: cost seconds of walking in Python, on the gateway's event loop.
+MAX_SEGMENTS = 1024
+#: Fill bytes (0xFF) in a row before a marker: encoders write a few, if any.
+MAX_FILL = 4096
+
+
 def markers(data: bytes) -> Iterator[tuple[int, int]]:
     """(marker, position) of each marker segment of a JPEG after its SOI, in order, up to and including the
     first scan (SOS) or the end of image (EOI); fill bytes and standalone markers are stepped over. A byte
-    where a marker should be gives (-1, position) and ends the walk; so does the end of the data."""
+    where a marker should be gives (-1, position) and ends the walk; so do the end of the data and more
+    than ``MAX_SEGMENTS`` markers."""
     position = 2
-    while position + 4 <= len(data):
+    for _ in range(MAX_SEGMENTS):
+        if position + 4 > len(data):
+            return
         if data[position] != 0xFF:
             yield -1, position
             return
         marker = data[position + 1]
-        if marker == 0xFF:  # fill byte
-            position += 1
+        if marker == 0xFF:  # fill bytes, stepped over at once; a run longer than any encoder writes ends it
+            run = data[position + 1:position + 1 + MAX_FILL]
+            rest = run.lstrip(b"\xff")
+            if not rest:
+                yield -1, position
+                return
+            position += len(run) - len(rest)
             continue
         if marker in (0x01, *range(0xD0, 0xD8)):  # standalone markers
             position += 2
@@ -50,6 +66,7 @@ def markers(data: bytes) -> Iterator[tuple[int, int]]:
         if marker in (0xD9, 0xDA):
             return
         position += 2 + int.from_bytes(data[position + 2:position + 4], "big")
+    yield -1, position
 
 
 def exif_orientation(data: bytes) -> int | None:

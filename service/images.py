@@ -57,21 +57,39 @@ def decode_base64(value: str, label: str) -> bytes:
 
 @dataclass(frozen=True)
 class Uploaded:
-    """Images and the other form/JSON fields of a request."""
+    """Images and the other form/JSON fields of a request; ``sources`` names each image's field."""
 
     images: list[bytes]
     fields: dict[str, Any]
+    sources: tuple[str, ...] = ()
+
+    def pair(self, first: str, second: str) -> tuple[bytes, bytes] | None:
+        """The images of ``first`` and ``second`` when each sent exactly one and nothing else, else None."""
+        return (self.images[0], self.images[1]) if self.sources == (first, second) else None
+
+
+def _labels(sources: list[str]) -> list[str]:
+    """Each image's name in errors: its field, indexed where the field holds several."""
+    seen: dict[str, int] = {}
+    labels = []
+    for source in sources:
+        index = seen[source] = seen.get(source, -1) + 1
+        labels.append(f"{source}[{index}]" if sources.count(source) > 1 else source)
+    return labels
 
 
 async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int, max_images: int,
                       json_model: type[BaseModel], check: bool = True) -> Uploaded:
-    """Images from ``fields`` of a multipart form, or from a JSON body validated by ``json_model``.
+    """Images from ``fields`` of a multipart form, or from a JSON body validated by ``json_model``, in the
+    order of ``fields`` whatever the order of the parts (``Uploaded.sources`` says whose each one is).
 
     With ``check`` every image is vetted by ``check_image`` (the first bad one raises)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
-        images, others = await _multipart(request, fields, max_images)
-        labels = [f"{fields[0]}[{i}]" if len(images) > 1 else fields[0] for i in range(len(images))]
+        named, others = await _multipart(request, fields, max_images)
+        named.sort(key=lambda item: fields.index(item[0]))  # stable: a field's images keep their order
+        sources = [name for name, _ in named]
+        images = [data for _, data in named]
     elif content_type == "application/json":
         try:
             body = json_model.model_validate(json.loads(await request.body()))
@@ -85,8 +103,8 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
         data = {k: v for k, v in body.model_dump().items() if v is not None}  # an optional image left null
         encoded = [v for f in fields if f in data
                    for v in (data[f] if isinstance(data[f], list) else [data[f]])]
-        labels = [f for f in fields if f in data for _ in (data[f] if isinstance(data[f], list) else [0])]
-        images = [decode_base64(v, label) for v, label in zip(encoded, labels, strict=True)]
+        sources = [f for f in fields if f in data for _ in (data[f] if isinstance(data[f], list) else [0])]
+        images = [decode_base64(v, label) for v, label in zip(encoded, _labels(sources), strict=True)]
         others = {k: v for k, v in data.items() if k not in fields}
     else:
         raise UnsupportedMedia("send multipart/form-data or application/json", content_type=content_type)
@@ -96,8 +114,9 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
         raise PayloadTooLarge(f"{len(images)} images; at most {max_images} per request",
                               code="too_many_images")
     if check:
+        labels = _labels(sources)
         images = [check_image(d, max_pixels, label) for d, label in zip(images, labels, strict=True)]
-    return Uploaded(images, others)
+    return Uploaded(images, others, tuple(sources))
 
 
 #: Starlette's limit on the parts of a form that are not files (``request.form(max_fields=...)``).
@@ -105,7 +124,7 @@ MAX_FORM_FIELDS = 32
 
 
 async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
-                     ) -> tuple[list[bytes], dict[str, Any]]:
+                     ) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
     """Image files and other fields of a multipart body: split at C speed when it is plain
     (``service.multipart``), else by Starlette's parser with its errors and limits."""
     parts = split_form(await request.body(), request.headers.get("content-type", ""),
@@ -123,11 +142,11 @@ async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
                                   code="too_many_images") from exc
         raise ApiError(f"the multipart body is not valid: {exc.detail}",
                        code="invalid_multipart") from exc
-    images: list[bytes] = []
+    images: list[tuple[str, bytes]] = []
     others: dict[str, Any] = {}
     for key, value in form.multi_items():
         if key in fields and isinstance(value, UploadFile):
-            images.append(await value.read())
+            images.append((key, await value.read()))
         elif key in fields:
             raise ApiError(f"form field {key!r} must be a file upload", code="invalid_image")
         else:
@@ -136,19 +155,19 @@ async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
 
 
 def _from_parts(parts: list[Part], fields: tuple[str, ...], max_images: int
-                ) -> tuple[list[bytes], dict[str, Any]] | None:
+                ) -> tuple[list[tuple[str, bytes]], dict[str, Any]] | None:
     """Images and fields from split parts when they mean what Starlette's parse would, with nothing for it
     to refuse (image fields are files, other fields UTF-8 text, within its counts); else None."""
     files = sum(p.filename is not None for p in parts)
     if files > max_images + 1 or len(parts) - files > MAX_FORM_FIELDS:
         return None
-    images: list[bytes] = []
+    images: list[tuple[str, bytes]] = []
     others: dict[str, Any] = {}
     for part in parts:
         if (part.filename is not None) != (part.name in fields):
             return None
         if part.filename is not None:
-            images.append(part.data)
+            images.append((part.name, part.data))
             continue
         try:
             others[part.name] = part.data.decode("utf-8")

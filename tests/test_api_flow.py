@@ -323,6 +323,15 @@ def test_verify_images(api: Api) -> None:
     assert different["confidence"] < 0.5
     only_one = api.post("/v1/verify", files=api.files("image_a", "obama.jpg"))
     api.error(only_one, 400, "missing_image")
+    twice = api.post("/v1/verify", files=api.files("image_a", "obama.jpg", "biden.jpg"))
+    api.error(twice, 400, "missing_image")
+
+
+def test_verify_pairs_images_by_field_not_by_part_order(api: Api) -> None:
+    a, b = api.files("image_a", "obama.jpg"), api.files("image_b", "t1.jpg")
+    in_order, reversed_parts = (api.ok(api.post("/v1/verify", files=parts)) for parts in (a + b, b + a))
+    assert reversed_parts["face_a"] == in_order["face_a"] and reversed_parts["face_b"] == in_order["face_b"]
+    assert in_order["face_a"]["box"] != in_order["face_b"]["box"]
 
 
 def test_verify_against_identity(api: Api) -> None:

@@ -868,3 +868,42 @@ def test_fast_header_equals_pil_or_leaves_it_to_pil(photos: dict[str, Path]) -> 
     assert answered == len(samples)  # every whole file was answered by the fast path
     assert _fast_header(b"\xff\xd8\xff\xda" + b"\x00" * 20) is None  # a scan before any frame header
     assert _fast_header(b"GIF89a" + b"\x00" * 20) is None
+
+
+def test_crafted_jpeg_headers_cost_bounded_work(photos: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway reads every upload's header on its event loop. A 10 MiB body of fill bytes or of empty
+    segments cost seconds there (the marker walk and PIL's both stepped through it byte by byte): the walk
+    now stops after ``MAX_SEGMENTS`` markers or ``MAX_FILL`` fill bytes in a row, and PIL, which steps
+    over junk, sees only the first ``JPEG_HEADER_BYTES``. A JPEG with junk between its segments (libjpeg
+    decodes it with a warning) is still read by PIL."""
+    from facecore import jpeg, processing
+
+    opened: list[int] = []
+    pil_open = processing.Image.open
+
+    def counting(buffer: io.BytesIO) -> Image.Image:
+        opened.append(len(buffer.getvalue()))
+        return pil_open(buffer)
+
+    monkeypatch.setattr(processing.Image, "open", counting)
+    size = 1 << 20
+    crafted = [b"\xff\xd8\xff" + b"\xff" * size, b"\xff\xd8" + b"\xff\xe0\x00\x02" * (size // 4),
+               b"\xff\xd8\xff\xe0\x00\x02" + b"\x00" * size]
+    for data in crafted:
+        walked = list(jpeg.markers(data))
+        assert len(walked) <= jpeg.MAX_SEGMENTS + 1 and walked[-1][0] == -1
+        with pytest.raises(ImageError, match="not a decodable image"):
+            image_header(data, 40_000_000)
+    assert opened and max(opened) <= processing.JPEG_HEADER_BYTES
+    fill_then_frame = (b"\xff\xd8" + b"\xff" * 100 + b"\xc0\x00\x11\x08\x00\x10\x00\x20\x03"
+                       + b"\x00" * 100)
+    assert image_header(fill_then_frame, 40_000_000) == ("JPEG", 32, 16)
+
+    real = photos["obama.jpg"].read_bytes()
+    _, first = next(iter(jpeg.markers(real)))
+    after_first = first + 2 + int.from_bytes(real[first + 2:first + 4], "big")
+    junky = real[:after_first] + b"\x00\x11" * 10 + real[after_first:]
+    opened.clear()
+    assert image_header(junky, 40_000_000) == image_header(real, 40_000_000) == ("JPEG", 910, 1137)
+    assert opened  # PIL read it

@@ -103,10 +103,10 @@ async def verify(request: Request, call: AdmittedDep, threshold: Threshold = Non
     with call.slot():
         uploaded = await read_images(request, ("image_a", "image_b"), call.settings.limits.max_pixels, 2,
                                      schemas.VerifyJson)
-        if len(uploaded.images) != 2:
+        pair = uploaded.pair("image_a", "image_b")
+        if pair is None:
             raise ApiError("send exactly two images: image_a and image_b", code="missing_image")
-        return verify_response(await call.service.verify_images(uploaded.images[0], uploaded.images[1],
-                                                                threshold))
+        return verify_response(await call.service.verify_images(*pair, threshold))
 
 
 @router.post("/v1/collections/{collection}/identities/{external_id}/verify",
