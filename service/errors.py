@@ -107,6 +107,11 @@ def pipeline_error(exc: PipelineError) -> ApiError:
     return Unavailable(f"the inference server is unavailable: {exc}", code="triton_unavailable")
 
 
+#: FastAPI's 400 for a JSON body its parser could not read (fastapi/routing.py), beside the validation
+#: error it gives for malformed JSON.
+_BODY_PARSE_ERROR = "There was an error parsing the body"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -157,6 +162,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == _BODY_PARSE_ERROR:  # invalid UTF-8, too deep to parse
+            return error_response(400, "invalid_json", "the body is not valid JSON")
         codes = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
         return error_response(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
                               headers=dict(exc.headers or {}))

@@ -22,6 +22,9 @@ Base64Image = Annotated[str, Field(min_length=1,
 #: Metadata nested deeper than this is refused (deeper values were stored, then could not be serialized:
 #: every later listing of the collection failed).
 MAX_METADATA_DEPTH = 20
+#: Metadata larger than this, as compact JSON in UTF-8, is refused: only the request body's 10 MiB bounded
+#: it, and a listing of 500 such identities would load gigabytes into the gateway.
+MAX_METADATA_BYTES = 64 * 1024
 
 
 def _strict_json(value: dict[str, Any]) -> dict[str, Any]:
@@ -35,9 +38,11 @@ def _strict_json(value: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     try:
-        json.dumps(value, allow_nan=False)
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     except ValueError as exc:
         raise ValueError("metadata must be plain JSON (no NaN or Infinity)") from exc
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
     return value
 
 

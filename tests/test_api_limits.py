@@ -286,10 +286,27 @@ def test_deeply_nested_json(small: Api) -> None:
                 "/v1/collections/c/identities", content=b'{"metadata": ' + nested + b"}", headers=json_headers
             ),
             400,
-            "http_error",
+            "invalid_json",
         )
     listed = small.ok(small.get("/v1/collections/c/identities"))
     assert sorted(i["external_id"] for i in listed["items"]) == ["nested", "obama"]
+    not_utf8 = small.post("/v1/collections", content=b'{"name": "\xff"}', headers=json_headers)
+    small.error(not_utf8, 400, "invalid_json")
+
+
+def test_metadata_size_is_bounded(small: Api) -> None:
+    """Metadata had no bound but the body's 10 MiB: 500 identities of 10 MiB each, listed in one page, would
+    load gigabytes into the gateway."""
+    from service.schemas import MAX_METADATA_BYTES
+
+    url = "/v1/collections/c/identities"
+    fits = {"notes": "é" * ((MAX_METADATA_BYTES - 20) // 2)}  # two bytes a character in UTF-8
+    small.ok(small.post(url, json={"external_id": "fits", "metadata": fits}), 201)
+    too_big = {"notes": "é" * (MAX_METADATA_BYTES // 2)}
+    refused = small.post(url, json={"external_id": "too-big", "metadata": too_big})
+    small.error(refused, 422, "validation_error")
+    small.error(small.patch(f"{url}/fits", json={"metadata": too_big}), 422, "validation_error")
+    assert small.ok(small.get(f"{url}/fits"))["metadata"] == fits
 
 
 def test_non_finite_numbers_are_refused(small: Api) -> None:
