@@ -139,3 +139,15 @@ def test_the_quality_gate_and_crops_run_off_the_event_loop(api: Api, monkeypatch
     api.ok(api.enroll("c", "obama", "obama.jpg", "obama2.jpg", params={"create": "true"}), 201)
     api.error(api.enroll("c", "group", "t1.jpg", params={"create": "true"}), 422, "several_faces")
     assert on_loop == [False, False, False]
+
+
+def test_creating_enroll_keeps_the_external_id_rules(api: Api) -> None:
+    """``create=true`` made identities whose ids POST .../identities refuses (a leading space, over 256
+    characters): they could not be addressed the same way afterwards."""
+    api.create_collection("ids")
+    for bad in ("%20bob", "x" * 257):
+        details = api.error(api.enroll("ids", bad, "obama.jpg", params={"create": "true"}), 422,
+                            "validation_error")
+        assert details["errors"][0]["loc"] == ["path", "external_id"]
+    assert api.ok(api.get("/v1/collections/ids/identities"))["items"] == []
+    api.ok(api.enroll("ids", "bob", "obama.jpg", params={"create": "true"}), 201)

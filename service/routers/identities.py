@@ -7,6 +7,7 @@ import math
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, status
+from pydantic import TypeAdapter, ValidationError
 
 from recognition.enrollment import EnrollmentRules, FaceChoice
 from service import schemas
@@ -107,10 +108,20 @@ async def enroll(collection: str, external_id: str, request: Request, call: Admi
         return await _enroll(collection, external_id, request, call, create, name, face, box)
 
 
+_EXTERNAL_ID: TypeAdapter[str] = TypeAdapter(schemas.ExternalId)
+
+
 async def _enroll(collection: str, external_id: str, request: Request, call: Admitted, create: bool,
                   name: str, face: FaceChoice | None, box: str | None) -> schemas.EnrollResponse:
     service, settings = call.service, call.settings
     limits = settings.limits
+    if create:  # the rules of POST .../identities: a new identity's id cannot escape them this way
+        try:
+            _EXTERNAL_ID.validate_python(external_id)
+        except ValidationError as exc:
+            raise ApiError("the external id of a new identity is not valid", code="validation_error",
+                           status=422, errors=[{"loc": ["path", "external_id"], "msg": e["msg"]}
+                                               for e in exc.errors()]) from exc
     uploaded = await read_images(request, ("images", "image"), limits.max_pixels, limits.max_batch_images,
                                  schemas.EnrollJson)
     unknown = sorted(set(uploaded.fields) - set(ENROLL_FORM))
