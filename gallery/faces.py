@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import ColumnElement, delete, func, insert, literal, select, update
 from sqlalchemy.orm import Session
 
 from gallery.db import Database
 from gallery.embeddings import decode_vector
 from gallery.errors import Conflict, NotFound
-from gallery.models import ChangeOp, Collection, Face, Identity
+from gallery.models import ChangeOp, Collection, Face, FaceChange, Identity
 from gallery.store import FaceInfo, GalleryStore, _face_info
 
 
@@ -66,27 +66,36 @@ class FaceRecords:
             rows = session.execute(query.order_by(Face.id).offset(offset).limit(limit)).all()
             return [(_face_info(face), ext) for face, ext in rows], int(total)
 
+    @staticmethod
+    def _remove(session: Session, collection_id: int, *where: ColumnElement[bool]) -> int:
+        """Delete the collection's faces that match ``where``, each logged as removed; returns how many.
+
+        By condition, never by a list of ids (one bind parameter per face: SQLite refuses more than its
+        limit, 32,766 or 250,000 by build, psycopg more than 65,535). The log rows and the deletion see
+        the same faces: change-log writers are serialized (``Database.write``)."""
+        which = (Face.collection_id == collection_id, *where)
+        connection = session.connection()  # the session's transaction
+        connection.execute(insert(FaceChange).from_select(
+            ["collection_id", "face_id", "identity_id", "op"],
+            select(literal(collection_id), Face.id, Face.identity_id, literal(ChangeOp.REMOVE.value))
+            .where(*which).order_by(Face.id)))
+        return connection.execute(delete(Face).where(*which)).rowcount
+
     def delete_faces_of(self, collection: str, external_id: str | None) -> int:
         """Delete every face of one identity (or of the whole collection); the identities stay."""
         with self.db.write() as session:
             owner = self._collection(session, collection)
-            query = select(Face.id, Face.identity_id).where(Face.collection_id == owner.id)
-            if external_id is not None:
-                query = query.join(Identity, Identity.id == Face.identity_id).where(
-                    Identity.external_id == external_id)
-            rows = [(int(f), int(i)) for f, i in session.execute(query).all()]
-            GalleryStore._log(session, owner.id, rows, ChangeOp.REMOVE)
-            session.execute(delete(Face).where(Face.id.in_([f for f, _ in rows])))
-            return len(rows)
+            if external_id is None:
+                return self._remove(session, owner.id)
+            identity = session.scalar(select(Identity.id).where(Identity.collection_id == owner.id,
+                                                                Identity.external_id == external_id))
+            return 0 if identity is None else self._remove(session, owner.id, Face.identity_id == identity)
 
     def delete_identities(self, collection: str) -> int:
         """Erase every identity of the collection with its faces; returns how many identities."""
         with self.db.write() as session:
             owner = self._collection(session, collection)
-            rows = [(int(f), int(i)) for f, i in session.execute(
-                select(Face.id, Face.identity_id).where(Face.collection_id == owner.id)).all()]
-            GalleryStore._log(session, owner.id, rows, ChangeOp.REMOVE)
-            session.execute(delete(Face).where(Face.collection_id == owner.id))
+            self._remove(session, owner.id)
             count = session.scalar(select(func.count()).where(Identity.collection_id == owner.id)) or 0
             session.execute(delete(Identity).where(Identity.collection_id == owner.id))
             return int(count)

@@ -18,6 +18,10 @@ from service.errors import _GALLERY_STATUS, ApiError, pipeline_error
 
 Render = Callable[[Exception], Response | None]
 
+#: Our code for an HTTP error Starlette raises inside a route (a form it cannot parse: 400; the streamed body
+#: over the size limit: 413), named as the v1 API names it; any other status is ``http_error``.
+HTTP_CODES = {400: "invalid_multipart", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
 
 def describe(exc: Exception) -> tuple[int, str, str] | None:
     """(HTTP status, our code, message) of an error the v1 API answers itself; None for a bug."""
@@ -33,8 +37,8 @@ def describe(exc: Exception) -> tuple[int, str, str] | None:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
         return 422, "validation_error", f"{where}: {first.get('msg', 'not valid')}"
-    if isinstance(exc, StarletteHTTPException) and exc.status_code < 500:  # the streamed-body 413
-        return exc.status_code, "payload_too_large", str(exc.detail)
+    if isinstance(exc, StarletteHTTPException) and exc.status_code < 500:
+        return exc.status_code, HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail)
     return None
 
 

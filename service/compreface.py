@@ -24,18 +24,20 @@ from gallery.errors import Conflict, GalleryError, NotFound
 from recognition.errors import Refused
 from recognition.usecases import confidence
 from service.auth import Principal
-from service.compat import rendering_route
+from service.compat import HTTP_CODES, describe, rendering_route
 from service.deps import KeysDep, lookup_key
-from service.errors import RETRY_AFTER_S, ApiError, pipeline_error
+from service.errors import RETRY_AFTER_S, ApiError, Unavailable, pipeline_error
 
-#: CompreFace's codes (its CommonExceptionCode) for ours; anything else is 0 ("undefined"), status 400.
+#: CompreFace's codes (its CommonExceptionCode) for ours; anything else is 0 ("undefined"), status 400,
+#: unless it is the server's fault (v1 answers 5xx): then v1's status, code 41 (``_uncoded``).
 _CODES: dict[str, tuple[int, int]] = {
     "no_face": (400, 28), "no_face_in_box": (400, 28), "several_faces": (400, 31),
     "low_quality": (400, 36), "no_enrolled_face": (400, 28), "validation_error": (400, 26),
     "invalid_image": (400, 21), "invalid_base64": (400, 21), "unsupported_media_type": (400, 21),
     "invalid_json": (400, 26), "invalid_multipart": (400, 34), "missing_image": (400, 34),
     "payload_too_large": (413, 0), "too_many_pixels": (413, 0), "too_many_images": (413, 0),
-    "embedding_model_mismatch": (400, 0), "triton_unavailable": (503, 41), "timeout": (504, 41),
+    "embedding_model_mismatch": (400, 0), "triton_unavailable": (503, 41), "service_unavailable": (503, 41),
+    "overloaded": (503, 41), "timeout": (504, 41),
 }
 _MESSAGES = {"no_face": "No face is found in the given image",
              "several_faces": "More than one face in the source image"}
@@ -56,6 +58,13 @@ def _not_found(exc: NotFound) -> tuple[int, int, str]:
     return 404, 10, f"Recognition service not found: {exc.message}"
 
 
+def _uncoded(exc: Exception) -> tuple[int, int]:
+    """Status and code of one of our codes CompreFace has no twin for: a server-side failure keeps v1's
+    5xx (a client retries it; a 400 would tell it to give up), anything else is 400/0."""
+    described = describe(exc)
+    return (described[0], 41) if described is not None and described[0] >= 500 else (400, 0)
+
+
 def compreface_error(exc: Exception) -> tuple[int, int, str] | None:
     """(HTTP status, CompreFace code, message) for an error, or None for one that is not the caller's."""
     if isinstance(exc, PipelineError):
@@ -71,21 +80,27 @@ def compreface_error(exc: Exception) -> tuple[int, int, str] | None:
         where = ".".join(str(p) for p in first.get("loc", ()))
         return 400, 26, f"Validation for field {where} failed: {first.get('msg', '')}"
     if isinstance(exc, Refused | ApiError | GalleryError):
-        status, code = _CODES.get(exc.code, (400, 0))
+        status, code = _CODES.get(exc.code) or _uncoded(exc)
         return status, code, f"{_MESSAGES.get(exc.code, exc.message)} ({exc.code})"
-    if isinstance(exc, StarletteHTTPException) and exc.status_code < 500:  # the streamed-body 413
-        return exc.status_code, 0, str(exc.detail)
+    if isinstance(exc, StarletteHTTPException) and exc.status_code < 500:  # a streamed-body 413, a bad form
+        ours = HTTP_CODES.get(exc.status_code, "http_error")
+        return exc.status_code, _CODES.get(ours, (0, 0))[1], f"{exc.detail} ({ours})"
     return None
 
 
-def compreface_response(status: int, code: int, message: str) -> Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+def compreface_response(status: int, code: int, message: str, retry_after_s: int = RETRY_AFTER_S) -> Response:
+    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
     return JSONResponse({"message": message, "code": code}, status_code=status, headers=headers)
 
 
 def render(exc: Exception) -> Response | None:
+    """CompreFace's answer to an error (None: a bug, the app's logged 500); a 503 has v1's Retry-After."""
+    if isinstance(exc, PipelineError):
+        exc = pipeline_error(exc)
     found = compreface_error(exc)
-    return None if found is None else compreface_response(*found)
+    if found is None:
+        return None
+    return compreface_response(*found, exc.retry_after_s if isinstance(exc, Unavailable) else RETRY_AFTER_S)
 
 
 CompreFaceRoute = rendering_route(render)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import re
 import time
 from typing import Annotated, Any
 
@@ -142,9 +143,14 @@ async def _delete_example(service: ServiceDep, collection: str, image_id: int) -
     return cf.CfExample(image_id=str(image_id), subject=stored.external_id)
 
 
+#: A face id as we hand it out: a positive 64-bit integer in ASCII digits (CompreFace's ids are UUIDs).
+_FACE_ID = re.compile(r"[1-9][0-9]{0,18}")
+
+
 def _image_id(image_id: str) -> int:
-    """Our face ids are integers (CompreFace's are UUIDs): anything else is an unknown image."""
-    if not image_id.isdigit() or not 0 < int(image_id) < 2**63:
+    """The face id ``image_id`` names; anything but an id as we write them (other digits such as "²" or
+    "٣", leading zeros, beyond the database's 64-bit ids) is an unknown image, like an unknown number."""
+    if _FACE_ID.fullmatch(image_id) is None or int(image_id) >= 2**63:
         raise cf.CompreFaceError(404, 44, f"Image {image_id[:64]} not found")
     return int(image_id)
 
