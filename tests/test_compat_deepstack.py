@@ -97,3 +97,7 @@ def test_match(live: Live, key: str, photos: dict[str, Path]) -> None:
         return float(answer.json()["similarity"])
 
     assert match("obama.jpg", "obama3.jpg") > 0.9 > 0.1 > match("obama.jpg", "biden.jpg")
+    twice = requests.post(f"{live.base}/v1/vision/face/match", data={"api_key": key}, timeout=60,
+                          files=[("image1", photos["obama.jpg"].read_bytes()),
+                                 ("image1", photos["biden.jpg"].read_bytes())])
+    assert twice.status_code == 400 and twice.json()["success"] is False, twice.text

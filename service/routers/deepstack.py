@@ -7,33 +7,41 @@ Assistant's DeepStack face integration speaks through ``deepstack-python``), on 
 collection or the admin key. ``userid`` is the identity's external id. ``confidence`` is our confidence
 (0.5 at the collection's threshold); a face is named only when it reaches the threshold AND
 ``min_confidence``, otherwise it is ``"unknown"`` with confidence 0 (docs/compat.md).
+
+A call is checked cheapest first, so that a caller without a key costs little: the API off is a 404 before
+the body is read; the key is checked before any image is vetted; only then does the call take one of the
+gateway's in-flight slots (shared with the v1 and CompreFace APIs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from starlette.datastructures import UploadFile
 
+from facecore.client import PipelineError
 from facecore.contract import Faces
 from gallery.errors import NotFound
 from recognition.enrollment import EnrollmentRules, FaceChoice
 from recognition.usecases import confidence
-from service.admission import admit
+from service.admission import Admission
 from service.compat import describe, rendering_route
 from service.deps import KeysDep, ServiceDep, SettingsDep, lookup_key
-from service.images import Uploaded, read_images
+from service.errors import RETRY_AFTER_S, ApiError, Unavailable, pipeline_error
+from service.images import MAX_FORM_FIELDS, Uploaded, check_image, read_images
 from service.openapi import image_body
 from service.schemas import Base64Image
 
-#: Image fields a register call may use (DeepStack takes several images per registration).
+#: Image fields a register call may use (DeepStack takes several images per registration); at most
+#: ``limits.max_batch_images`` of them per call.
 IMAGE_FIELDS = ("image", *(f"image{i}" for i in range(1, 17)))
+PAIR_FIELDS = ("image1", "image2")
 
 
 class DeepStackError(Exception):
@@ -42,28 +50,69 @@ class DeepStackError(Exception):
         self.status, self.message = status, message
 
 
+def _where(exc: Exception) -> str:
+    """``: field: why`` for the first field of a validation error from ``read_images`` (else empty)."""
+    errors = exc.details.get("errors") if isinstance(exc, ApiError) else None
+    if not errors:
+        return ""
+    return f": {'.'.join(str(p) for p in errors[0].get('loc', ()))}: {errors[0].get('msg', 'not valid')}"
+
+
+def _retry_after(exc: Exception) -> str:
+    """Seconds, as the v1 API says them: 1 when load is shed (``overloaded``), else ``RETRY_AFTER_S``."""
+    error = pipeline_error(exc) if isinstance(exc, PipelineError) else exc
+    return str(error.retry_after_s if isinstance(error, Unavailable) else RETRY_AFTER_S)
+
+
 def _render(exc: Exception) -> JSONResponse | None:
     found = (exc.status, "", exc.message) if isinstance(exc, DeepStackError) else describe(exc)
     if found is None:
         return None
     status, code, message = found
-    text = f"{message} ({code})" if code else message
-    headers = {"Retry-After": "5"} if status == 503 else None
+    text = f"{message}{_where(exc)} ({code})" if code else message
+    headers = {"Retry-After": _retry_after(exc)} if status == 503 else None
     body = {"success": False, "error": text, "code": status}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-router = APIRouter(prefix="/v1/vision", tags=["DeepStack compatible"], route_class=rendering_route(_render))
-#: The routes that do recognition work: shed beyond the in-flight limit (service/admission.py).
-post_admitted = functools.partial(router.post, dependencies=[Depends(admit)])
+async def _enabled(settings: SettingsDep) -> None:
+    """While the API is off, every call is its 404, before anything of the request is read."""
+    if not settings.deepstack.collection:
+        raise DeepStackError(404, "the DeepStack API is off: set FACEREC_DEEPSTACK__COLLECTION")
 
 
-class FormJson(BaseModel):  # DeepStack clients send multipart; JSON with base64 works as on the v1 API
-    image: Base64Image | None = None
-    image1: Base64Image | None = None
-    userid: str | None = None
+router = APIRouter(prefix="/v1/vision", tags=["DeepStack compatible"], route_class=rendering_route(_render),
+                   dependencies=[Depends(_enabled)])
+
+
+class KeyJson(BaseModel):
+    """A JSON body (DeepStack clients send forms; JSON with base64 images works as on the v1 API): a field
+    the route does not take is refused (422), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
     api_key: str | None = None
+
+
+class UseridJson(KeyJson):
+    userid: str | None = None
+
+
+class ImageJson(KeyJson):
+    image: Base64Image | None = None
     min_confidence: float | None = None
+
+
+class PairJson(KeyJson):
+    image1: Base64Image | None = None
+    image2: Base64Image | None = None
+
+
+#: Every image field, and min_confidence: deepstack-python sends it with every image, register included
+#: (where it means nothing).
+_REGISTER: dict[str, Any] = {"min_confidence": (float | None, None),
+                             **{name: (Base64Image | None, None) for name in IMAGE_FIELDS}}
+RegisterJson = create_model("RegisterJson", __base__=UseridJson, **_REGISTER)
 
 
 class Prediction(BaseModel):
@@ -84,19 +133,41 @@ class Answer(BaseModel):
     duration: float = Field(0.0, description="milliseconds")
 
 
-FORM = image_body(FormJson, {"image": False}, {"api_key": {"type": "string"},
-                                                "min_confidence": {"type": "number"}})
-REGISTER = image_body(FormJson, {"image": False, "image1": False}, {"api_key": {"type": "string"},
-                                                                     "userid": {"type": "string"}})
-FIELDS = image_body(FormJson, {}, {"api_key": {"type": "string"}, "userid": {"type": "string"}})
+_KEY = {"api_key": {"type": "string"}}
+FORM = image_body(ImageJson, {"image": False}, {**_KEY, "min_confidence": {"type": "number"}})
+REGISTER = image_body(RegisterJson, dict.fromkeys(IMAGE_FIELDS[:2], False),
+                      {**_KEY, "userid": {"type": "string"}})
+PAIR = image_body(PairJson, dict.fromkeys(PAIR_FIELDS, False), _KEY)
+LIST = image_body(KeyJson, {}, _KEY)
+DELETE = image_body(UseridJson, {}, {**_KEY, "userid": {"type": "string"}})
 
 
-async def _fields(request: Request) -> dict[str, Any]:
-    """The form fields of a call without images (multipart or url-encoded, as clients send them)."""
+def _texts(fields: dict[str, Any], images: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields besides the images, which DeepStack takes as text: a file in one of them is a 400."""
+    for name, value in fields.items():
+        if isinstance(value, UploadFile):
+            listed = ", ".join(images) if len(images) < 4 else f"{images[0]}, {images[1]} ... {images[-1]}"
+            where = f" (images go in {listed})" if images else ""
+            raise DeepStackError(400, f"{name} must be a text field, not a file{where}")
+    return fields
+
+
+async def _fields(request: Request, model: type[KeyJson]) -> dict[str, Any]:
+    """The fields of a call without images: a form (multipart or url-encoded, as clients send them) or a
+    JSON object of ``model``."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "application/json":
+        try:
+            return model.model_validate_json(await request.body()).model_dump(exclude_none=True)
+        except ValidationError as exc:  # the errors read_images gives for a JSON body
+            if any(e["type"] == "json_invalid" for e in exc.errors()):
+                raise ApiError("the body is not valid JSON", code="invalid_json") from exc
+            details = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+            raise ApiError("the request is not valid", code="validation_error", status=422,
+                           errors=details) from exc
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        form = await request.form(max_files=len(IMAGE_FIELDS) + 1, max_fields=32)
-        return {k: v for k, v in form.items() if isinstance(v, str)}
+        form = await request.form(max_files=len(IMAGE_FIELDS) + 1, max_fields=MAX_FORM_FIELDS)
+        return _texts(dict(form.items()))
     return {}
 
 
@@ -104,8 +175,6 @@ async def _collection(request: Request, settings: SettingsDep, keys: KeysDep, fi
     """The configured collection, when the caller's api_key (form field or X-API-Key) may use it."""
     key = fields.get("api_key") or request.headers.get("x-api-key")
     name = settings.deepstack.collection
-    if not name:
-        raise DeepStackError(404, "the DeepStack API is off: set FACEREC_DEEPSTACK__COLLECTION")
     if not key:
         raise DeepStackError(401, "an api_key is required")
     found = await lookup_key(keys, key)
@@ -114,10 +183,24 @@ async def _collection(request: Request, settings: SettingsDep, keys: KeysDep, fi
     return name
 
 
-async def _upload(request: Request, settings: SettingsDep, fields: tuple[str, ...] = ("image",)
-                  ) -> Uploaded:
-    most = min(len(fields), settings.limits.max_batch_images)
-    return await read_images(request, fields, settings.limits.max_pixels, most, FormJson)
+async def _upload(request: Request, settings: SettingsDep, keys: KeysDep, model: type[KeyJson],
+                  fields: tuple[str, ...] = ("image",)) -> tuple[str, Uploaded]:
+    """The collection and the images of a call, in the order that costs a caller without a key least: the
+    body is read, the key checked, and only then is each image vetted (its header parsed)."""
+    limits = settings.limits
+    most = min(len(fields), limits.max_batch_images)
+    uploaded = await read_images(request, fields, limits.max_pixels, most, model, check=False)
+    name = await _collection(request, settings, keys, _texts(uploaded.fields, fields))
+    for data, source in zip(uploaded.images, uploaded.sources, strict=True):
+        check_image(data, limits.max_pixels, source)
+    return name, uploaded
+
+
+def _slot(request: Request) -> AbstractContextManager[None]:
+    """One of the gateway's in-flight recognition requests (shared with the v1 and CompreFace APIs), taken
+    once the key and the images passed: 503 ``overloaded`` beyond the limit (service/admission.py)."""
+    admission: Admission = request.app.state.admission
+    return admission.slot()
 
 
 def _box(faces: Faces, i: int) -> dict[str, int]:
@@ -140,25 +223,26 @@ def _ms(started: float) -> float:
     return round((time.perf_counter() - started) * 1000, 1)
 
 
-@post_admitted("/face", response_model=Answer, response_model_exclude_none=True, openapi_extra=FORM,
+@router.post("/face", response_model=Answer, response_model_exclude_none=True, openapi_extra=FORM,
              summary="DeepStack: detect faces (min_confidence: detection score)")
 async def detect(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    uploaded = await _upload(request, settings)
-    await _collection(request, settings, keys, uploaded.fields)
-    faces = await service.detect(uploaded.images[0], _min_confidence(uploaded.fields))
+    _, uploaded = await _upload(request, settings, keys, ImageJson)
+    least = _min_confidence(uploaded.fields)
+    with _slot(request):
+        faces = await service.detect(uploaded.images[0], least)
     return Answer(predictions=[Prediction(confidence=round(float(faces.scores[i]), 4), **_box(faces, i))
                                for i in range(len(faces))], duration=_ms(started))
 
 
-@post_admitted("/face/recognize", response_model=Answer, response_model_exclude_none=True, openapi_extra=FORM,
+@router.post("/face/recognize", response_model=Answer, response_model_exclude_none=True, openapi_extra=FORM,
              summary="DeepStack: who is each face ('unknown' below the threshold or min_confidence)")
 async def recognize(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    uploaded = await _upload(request, settings)
-    name = await _collection(request, settings, keys, uploaded.fields)
+    name, uploaded = await _upload(request, settings, keys, ImageJson)
     least = _min_confidence(uploaded.fields) or 0.0
-    found = await service.identify(name, uploaded.images[0], 1, None)
+    with _slot(request):
+        found = await service.identify(name, uploaded.images[0], 1, None)
     predictions = []
     for i, result in enumerate(found.results):
         match = result.match
@@ -170,26 +254,26 @@ async def recognize(request: Request, settings: SettingsDep, keys: KeysDep, serv
     return Answer(predictions=predictions, duration=_ms(started))
 
 
-@post_admitted("/face/register", response_model=Answer, response_model_exclude_none=True,
+@router.post("/face/register", response_model=Answer, response_model_exclude_none=True,
              openapi_extra=REGISTER, summary="DeepStack: add faces to userid (the largest of each image)")
 async def register(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    uploaded = await _upload(request, settings, IMAGE_FIELDS)
-    name = await _collection(request, settings, keys, uploaded.fields)
+    name, uploaded = await _upload(request, settings, keys, RegisterJson, IMAGE_FIELDS)
     userid = str(uploaded.fields.get("userid") or "").strip()
     if not userid or "/" in userid or len(userid) > 256:
         raise DeepStackError(400, "userid not specified (or longer than 256 characters, or with a '/')")
     rules = EnrollmentRules(settings.quality.thresholds(), FaceChoice.LARGEST)
-    enrolled = await service.enroll(name, userid, uploaded.images, rules, create=(userid, {}))
+    with _slot(request):
+        enrolled = await service.enroll(name, userid, uploaded.images, rules, create=(userid, {}))
     new = len(await asyncio.to_thread(service.store.list_faces, name, userid)) == len(enrolled.faces)
     return Answer(message="face added" if new else "face updated", duration=_ms(started))
 
 
-@router.post("/face/list", response_model=Answer, response_model_exclude_none=True, openapi_extra=FIELDS,
+@router.post("/face/list", response_model=Answer, response_model_exclude_none=True, openapi_extra=LIST,
              summary="DeepStack: the registered userids")
 async def list_faces(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    fields = await _fields(request)
+    fields = await _fields(request, KeyJson)
     name = await _collection(request, settings, keys, fields)
 
     def every() -> list[str]:
@@ -203,11 +287,11 @@ async def list_faces(request: Request, settings: SettingsDep, keys: KeysDep, ser
     return Answer(faces=await asyncio.to_thread(every), duration=_ms(started))
 
 
-@router.post("/face/delete", response_model=Answer, response_model_exclude_none=True, openapi_extra=FIELDS,
+@router.post("/face/delete", response_model=Answer, response_model_exclude_none=True, openapi_extra=DELETE,
              summary="DeepStack: erase a userid (success also when it was not registered)")
 async def delete(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    fields = await _fields(request)
+    fields = await _fields(request, UseridJson)
     name = await _collection(request, settings, keys, fields)
     userid = str(fields.get("userid") or "")
     if not userid:
@@ -218,15 +302,15 @@ async def delete(request: Request, settings: SettingsDep, keys: KeysDep, service
     return Answer(duration=_ms(started))
 
 
-@post_admitted("/face/match", response_model=Answer, response_model_exclude_none=True,
-             openapi_extra=image_body(FormJson, {"image1": False, "image2": False}),
+@router.post("/face/match", response_model=Answer, response_model_exclude_none=True, openapi_extra=PAIR,
              summary="DeepStack: similarity of the (largest) faces of image1 and image2")
 async def match(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    uploaded = await _upload(request, settings, ("image1", "image2"))
-    await _collection(request, settings, keys, uploaded.fields)
-    if len(uploaded.images) != 2:
-        raise DeepStackError(400, "send image1 and image2")
-    verified = await service.verify_images(uploaded.images[0], uploaded.images[1], None)
+    _, uploaded = await _upload(request, settings, keys, PairJson, PAIR_FIELDS)
+    pair = uploaded.pair("image1", "image2")
+    if pair is None:
+        raise DeepStackError(400, "send image1 and image2, one image each")
+    with _slot(request):
+        verified = await service.verify_images(*pair, None)
     return Answer(similarity=confidence(verified.score, verified.threshold), duration=_ms(started))
 
