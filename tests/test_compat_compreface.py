@@ -117,6 +117,17 @@ def test_detection_and_verification(live: Live, key: str, photos: dict[str, Path
     group = verification.verify(str(photos["obama.jpg"]), str(photos["t1.jpg"]))
     assert len(group["result"][0]["face_matches"]) == 6
     assert max(m["similarity"] for m in group["result"][0]["face_matches"]) < 0.5
+    # the roles follow the field names, not the order of the parts (the target first swapped them)
+    url, headers = f"{live.base}/api/v1/verification/verify", {"x-api-key": live.admin_key}
+    target_first = requests.post(url, headers=headers, timeout=60, files=[
+        ("target_image", ("t1.jpg", photos["t1.jpg"].read_bytes(), "image/jpeg")),
+        ("source_image", ("obama.jpg", photos["obama.jpg"].read_bytes(), "image/jpeg"))])
+    assert target_first.status_code == 200, target_first.text
+    assert len(target_first.json()["result"][0]["face_matches"]) == 6
+    two_sources = requests.post(url, headers=headers, timeout=60, files=[
+        ("source_image", ("a.jpg", photos["obama.jpg"].read_bytes(), "image/jpeg")),
+        ("source_image", ("b.jpg", photos["t1.jpg"].read_bytes(), "image/jpeg"))])
+    assert two_sources.status_code == 400 and two_sources.json()["code"] == 34, two_sources.text
 
 
 def test_errors_have_compreface_shape(live: Live, key: str, photos: dict[str, Path]) -> None:

@@ -278,10 +278,11 @@ async def verify(_: CallerDep, request: Request, service: ServiceDep, settings: 
                  status: Status = False) -> cf.CfVerification:
     uploaded = await read_images(request, ("source_image", "target_image"), settings.limits.max_pixels, 2,
                                  PairJson)
-    if len(uploaded.images) != 2:
-        raise cf.CompreFaceError(400, 34, "Required parts source_image and target_image")
+    pair = uploaded.pair("source_image", "target_image")
+    if pair is None:
+        raise cf.CompreFaceError(400, 34, "Required parts source_image and target_image, one image each")
     started = time.perf_counter()
-    source_image, target_image = uploaded.images
+    source_image, target_image = pair
     compared = await service.compare_images(source_image, target_image, None, det_prob_threshold)
     elapsed = (time.perf_counter() - started) * 1000 if status else None
     _no_face(len(compared.faces))
