@@ -31,10 +31,11 @@ from recognition.usecases import Recognition
 from service.admission import Admission
 from service.auth import KeyStore
 from service.drain import DrainBody
-from service.errors import error_response, install_error_handlers
+from service.errors import ErrorBody, error_response, install_error_handlers
 from service.images import BodySizeLimit
 from service.logs import request_id
 from service.metrics import Metrics
+from service.openapi import with_error_responses
 from service.readiness import RecognitionCheck
 from service.routers import collections, compreface, deepstack, demo, health, identities, recognition
 
@@ -135,12 +136,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    _serve_error_bodies(app)
 
     # The last added is the outermost: Observe sees every response, the body-size 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_upload_bytes)
     app.add_middleware(DrainBody, max_bytes=settings.limits.max_upload_bytes)  # every client reads the 4xx
     app.add_middleware(Observe, timeout_s=settings.limits.request_timeout_s, metrics=app.state.metrics)
     return app
+
+
+def _serve_error_bodies(app: FastAPI) -> None:
+    """``app.openapi()`` with the error bodies the routes send (service/openapi.py), built once."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = with_error_responses(build(), ErrorBody.model_json_schema())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class Observe:

@@ -22,7 +22,7 @@ import pytest
 import schemathesis
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import not_a_server_error, response_schema_conformance
 from schemathesis.python.asgi import shutdown_lifespans
 
 from facecore.settings import GatewaySettings
@@ -106,6 +106,31 @@ def test_no_server_errors(case: schemathesis.Case, seeded: Api, fuzzed_app: Fast
     # server errors, not speed; a request that hangs still fails, at the gateway's own timeout.
     response = case.call(app=fuzzed_app, headers={"X-API-Key": admin_key},
                          timeout=2 * fuzzed_app.state.settings.limits.request_timeout_s)
-    case.validate_response(response, checks=[not_a_server_error])
+    case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
     if response.status_code == 204:  # a generated DELETE may have removed the seed
         reseed(seeded)
+
+
+def test_every_route_declares_the_error_body_it_sends(api: Api) -> None:
+    """FastAPI declared a 422 ``{"detail": [...]}`` on every validated route and no other error, while the
+    v1 API answers ``{"code", "message", "details"}`` and the compatible APIs their own bodies: a client
+    generated from the schema could not read a single error. A real refusal of each API must match the
+    4XX body its operation declares."""
+    import jsonschema
+
+    document = api.app.openapi()
+    assert "HTTPValidationError" not in str(document)
+    components = document["components"]["schemas"]
+    families = {"/api/v1/": "CompreFaceError", "/v1/vision/": "DeepStackError"}
+    for path, operations in document["paths"].items():
+        family = next((name for prefix, name in families.items() if path.startswith(prefix)), "Error")
+        for method, operation in operations.items():
+            for status in ("4XX", "5XX"):
+                declared = operation["responses"][status]["content"]["application/json"]["schema"]
+                assert declared == {"$ref": f"#/components/schemas/{family}"}, (method, path, status)
+    refusals = {"Error": api.post("/v1/collections", json={"name": 7}),
+                "CompreFaceError": api.post("/api/v1/recognition/recognize", key="no such key"),
+                "DeepStackError": api.post("/v1/vision/face/list", data={"api_key": "no such key"})}
+    for family, response in refusals.items():
+        assert 400 <= response.status_code < 500, response.text
+        jsonschema.validate(response.json(), {**components[family], "components": {"schemas": components}})
