@@ -9,6 +9,9 @@ previous engine call carried: clients whose answers just came back send their ne
 microseconds, and without that wait every other call would carry one query (the first to come back)
 instead of all of them. So a lone request pays nothing (the previous call carried one), and under load
 each engine call serves many requests: the scan of a million vectors is shared instead of repeated.
+Only requests with equal ``search`` callables share a call (the gallery passes the bound method of the
+collection's index it found): a request that found a newer index of the collection than the leader's
+(rebuilt, re-embedded) is searched in a call of its own, never in the index the leader found.
 
 Each waiting request sleeps on an event of its own, set when its answer is ready or when it becomes the
 next leader: finishing a batch wakes the requests it answered and one leader, not every waiting thread
@@ -36,6 +39,7 @@ Search = Callable[[NDArray[np.float32], int], Arrays]
 class _Request:
     queries: NDArray[np.float32]
     k: int
+    search: Search
     result: Arrays | None = None
     error: BaseException | None = None
     done: bool = False
@@ -68,7 +72,7 @@ class SearchBatcher:
     def search(self, key: Hashable, queries: NDArray[np.float32], k: int, search: Search) -> Arrays:
         with self._lock:
             queue = self._queues.setdefault(key, _Queue())
-        request = _Request(queries, k)
+        request = _Request(queries, k, search)
         with queue.lock:
             queue.waiting.append(request)
             queue.arrived.notify()
@@ -77,23 +81,33 @@ class SearchBatcher:
                 request.wake.set()
         request.wake.wait()
         if not request.done:
-            self._lead(queue, search)
+            self._lead(queue)
         if request.error is not None:
             raise request.error
         assert request.result is not None  # set with done (not input validation)
         return request.result
 
     def _take(self, queue: _Queue) -> list[_Request]:
-        """The leader (first waiting) and those behind it, up to ``max_queries`` queries in all."""
+        """The leader (first waiting) and those behind it with the same search, up to ``max_queries``
+        queries in all; the others keep their places."""
         taken: list[_Request] = []
         total = 0
+        left: list[_Request] = []
+        full = False  # a request of the same search did not fit: it and those behind it wait
         with queue.lock:
-            while queue.waiting and (not taken or total + len(queue.waiting[0].queries) <= self.max_queries):
-                taken.append(queue.waiting.pop(0))
-                total += len(taken[-1].queries)
+            leader = queue.waiting[0]
+            for r in queue.waiting:
+                same = r is leader or r.search == leader.search
+                full = full or (same and bool(taken) and total + len(r.queries) > self.max_queries)
+                if same and not full:
+                    taken.append(r)
+                    total += len(r.queries)
+                else:
+                    left.append(r)
+            queue.waiting[:] = left
         return taken
 
-    def _lead(self, queue: _Queue, search: Search) -> None:
+    def _lead(self, queue: _Queue) -> None:
         if self.window_s:
             time.sleep(self.window_s)
         with queue.lock:  # as many as last time, or gather_s at most
@@ -101,7 +115,7 @@ class SearchBatcher:
         batch = self._take(queue)
         try:
             k = max(r.k for r in batch)
-            arrays = search(np.concatenate([r.queries for r in batch]), k)
+            arrays = batch[0].search(np.concatenate([r.queries for r in batch]), k)
             start = 0
             for r in batch:
                 stop = start + len(r.queries)

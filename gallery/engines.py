@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.index import FaceIndex, IndexConfig, IndexKind, Measurement
+from gallery.index import FaceIndex, IndexConfig, IndexKind, Measurement, remove_stale_partials
 from gallery.store import CollectionInfo
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,10 @@ class FaissEngine:
 
     def open(self, info: CollectionInfo, identities: Faces) -> tuple[CollectionIndex, int] | None:
         path = self._path(info.id)
-        if path is None or not path.exists():
+        if path is None or not path.parent.exists():
+            return None
+        remove_stale_partials(path.parent, f"{path.stem}.*.partial")  # of a save killed before it finished
+        if not path.exists():
             return None
         try:
             index, meta = FaceIndex.load(path, self.config, self.force_tombstones)
@@ -234,8 +237,10 @@ class FaissEngine:
         return [str(path)]
 
     def prune(self, live: set[int]) -> None:
+        """Also the staged files of saves killed before they finished (``remove_stale_partials``)."""
         if self.snapshot_dir is None or not self.snapshot_dir.exists():
             return
+        remove_stale_partials(self.snapshot_dir, "collection-*.partial")
         names = {f"collection-{i}" for i in live}
         for stale in self.snapshot_dir.glob("collection-*"):
             if stale.name.split(".")[0] not in names and stale.suffix in (".faiss", ".json", ".lock"):

@@ -90,6 +90,12 @@ class _Collection:
     #: while it is written to a snapshot (a read: changes wait for the gallery's lock, held by the snapshot)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
+    def search(self, queries: NDArray[np.float32], k: int) -> tuple[NDArray[Any], ...]:
+        """The index's search, under the lock (what ``SearchBatcher`` runs: a call serves only requests
+        that found this entry)."""
+        with self.lock:
+            return self.index.search(queries, k)
+
 
 def open_gallery(store: GalleryStore, settings: Settings, snapshot_dir: Path | None = None) -> Gallery:
     """The gallery the settings describe: its engine (FAISS or Milvus) and its request batching
@@ -226,8 +232,16 @@ class Gallery:
         with self._lock:
             self.sync()
             pending, self._erased = self._erased, set()
-        # "" (a dropped collection) matches no index: snapshot("") only prunes.
-        return [path for name in sorted(pending) for path in self.snapshot(name, erased=True)]
+        written: list[Path] = []
+        names = sorted(pending)
+        for number, name in enumerate(names):
+            try:
+                written += self.snapshot(name, erased=True)  # "" (a dropped collection): only prunes
+            except BaseException:
+                with self._lock:  # the erased vectors are still on disk: tried again at the next call
+                    self._erased.update(names[number:])
+                raise
+        return written
 
     def sync(self) -> int:
         """Apply every logged change newer than the last applied one; returns how many.
@@ -353,11 +367,24 @@ class Gallery:
                 by_collection.pop(change.collection_id, None)
             elif change.seq > engine_at:
                 by_collection[change.collection_id].append(change)
+        unopened = by_collection.keys() - self._collections.keys()
+        if self.engine.shared and unopened:
+            self._open_held(unopened)
         for collection_id, items in by_collection.items():
             entry = self._collections.get(collection_id)
             if entry is None:
                 continue  # built lazily from the database when first used
             self._apply_to(entry, items)
+
+    def _open_held(self, collection_ids: AbstractSet[int]) -> None:
+        """Open those of these collections that the shared engine holds (built by another process) so that
+        the changes being applied reach them: the position recorded next covers every collection the engine
+        holds, so a process that skipped one would lose its changes for every process. Called under the lock
+        and the engine's."""
+        last = self.store.last_seq()
+        for info in self.store.list_collections():
+            if info.id in collection_ids and (opened := self._open(info, last)) is not None:
+                self._collections[info.id] = opened[0]
 
     def _apply_to(self, entry: _Collection, items: list[Change]) -> None:
         """Apply one collection's adds and removes, in order, to its index (the vectors added are read
@@ -487,7 +514,7 @@ class Gallery:
         """Top-k identities (best face each) per query, with the match decision at ``threshold``
         (default: the collection's). With ``embedding_model``, queries of another model are refused.
         Faces whose ids are in ``exclude`` are left out (search by a stored face). Concurrent calls on
-        one collection are searched together (``batcher``)."""
+        one collection that found the same index are searched together (``batcher``)."""
         if k < 1:
             raise ValueError("k must be >= 1")
         entry = self._entry(collection)
@@ -496,12 +523,9 @@ class Gallery:
             check_model(info, embedding_model)
         matrix = validate_embeddings(queries, info.dimension)
         fetch = _depth(k) + len(exclude)
-
-        def search(batch: NDArray[np.float32], depth: int) -> tuple[NDArray[Any], ...]:
-            with entry.lock:
-                return entry.index.search(batch, depth)
-
-        best = self._ranked(entry, matrix, k, exclude, self.batcher.search(info.id, matrix, fetch, search))
+        # batched only with requests that found this entry: the collection's index may have been replaced
+        first = self.batcher.search(info.id, matrix, fetch, entry.search)
+        best = self._ranked(entry, matrix, k, exclude, first)
         return self._results(best, self._labels_for(_identities(best)), info, threshold)
 
     def search_inline(self, collection: str, queries: ArrayLike, k: int = 5, threshold: float | None = None
@@ -557,7 +581,9 @@ class Gallery:
                          ) -> list[tuple[int, float, int]]:
         """Exact per-identity aggregation: widen the face search until k identities are certain. The
         index's size is asked only when a search came back full without k identities: on Milvus it is a
-        query of its own (``count(*)``), which every identify used to make."""
+        query of its own (``count(*)``), which every identify used to make. Each widening fetches more than
+        the last, at least a first search's depth (a first search of an index empty then, filled since,
+        came back with no column), so the loop ends by the index's size at the latest."""
         fetch = first[1].shape[1]
         scores, ids, owners = first
         total: int | None = None
@@ -571,7 +597,7 @@ class Gallery:
             if len(best) < k and int((ids[0] >= 0).sum()) >= fetch:
                 total = len(entry.index) if total is None else total
                 if fetch < total:
-                    fetch = min(total, fetch * 4)
+                    fetch = min(total, max(fetch * 4, _depth(k) + len(exclude)))
                     with entry.lock:
                         scores, ids, owners = entry.index.search(query[None], fetch)
                     continue

@@ -9,7 +9,9 @@ scalar-quantized codes with an exact re-rank from the stored vectors (``gallery.
 kept only when its recall@10 lower bound and its decision agreement with exact search reach the targets
 and it is fast enough; otherwise the collection stays exact. On a GPU (when FAISS reports one) flat and
 IVF indexes are copied to it; GPU indexes cannot ``remove_ids``, so removals become tombstones filtered
-at search time until the gallery rebuilds the index from the database.
+at search time until the gallery rebuilds the index from the database. A face added again after such a
+removal (an identity merged into another: its faces are removed, then added to the other) is held under a
+FAISS id of its own (``ALIAS_BASE`` and up), mapped back to its face id, beside its hidden old vector.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import uuid
 from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 import faiss
 import numpy as np
@@ -44,12 +46,14 @@ from gallery.selection import (
 from gallery.threads import threads_for
 
 __all__ = ["FaceIndex", "IndexConfig", "IndexKind", "Measurement", "genuine_probes", "impostor_probes",
-           "recall_at_k", "recall_lower_bound"]
+           "recall_at_k", "recall_lower_bound", "remove_stale_partials"]
 
 log = logging.getLogger(__name__)
 
 Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
+#: FAISS ids from here up stand for faces added again while their removed vector is still held (tombstoned).
+ALIAS_BASE = 1 << 62
 
 
 class IndexKind(StrEnum):
@@ -89,7 +93,12 @@ class FaceIndex:
         #: Faces when the candidates were last measured (0: never; ``selection`` is then empty).
         self.selected_at = 0
         self._ids: set[int] = set()
+        #: FAISS ids whose vectors are held but removed (hidden at search time)
         self._tombstones: set[int] = set()
+        #: FAISS id -> face id, and back, for faces added again after a tombstoned removal
+        self._aliases: dict[int, int] = {}
+        self._alias_of: dict[int, int] = {}
+        self._next_alias = ALIAS_BASE
         self.on_gpu = self.config.use_gpu and gpu_available()
         self._tombstoning = force_tombstones or self.on_gpu
         self._index: Any = self._to_device(_flat(dimension))
@@ -120,26 +129,39 @@ class FaceIndex:
         return len(self._tombstones) > self.config.compact_fraction * live
 
     def add(self, ids: Ids, vectors: Vectors) -> int:
-        """Add vectors whose ids are not present yet; returns how many were added."""
+        """Add vectors whose ids are not present yet; returns how many were added. A face whose removed
+        vector is still held (a tombstone) gets a FAISS id of its own, an alias."""
         ids = np.asarray(ids, dtype=np.int64)
-        fresh = np.array([i not in self._ids and i not in self._tombstones for i in ids.tolist()], dtype=bool)
+        fresh = np.array([i not in self._ids for i in ids.tolist()], dtype=bool)
         if not fresh.any():
             return 0
         matrix = np.ascontiguousarray(vectors if fresh.all() else vectors[fresh], dtype=np.float32)
         if matrix.shape[1] != self.dimension:
             raise ValueError(f"vectors have dimension {matrix.shape[1]}, index has {self.dimension}")
-        self._index.add_with_ids(matrix, ids[fresh])
-        self._ids.update(ids[fresh].tolist())
-        return int(fresh.sum())
+        added = ids[fresh]
+        labels = np.array([self._new_alias(i) if i in self._tombstones else i for i in added.tolist()],
+                          dtype=np.int64)
+        self._index.add_with_ids(matrix, labels)
+        self._ids.update(added.tolist())
+        return len(added)
+
+    def _new_alias(self, face_id: int) -> int:
+        alias, self._next_alias = self._next_alias, self._next_alias + 1
+        self._aliases[alias], self._alias_of[face_id] = face_id, alias
+        return alias
 
     def remove(self, ids: Ids) -> int:
         present = [i for i in np.asarray(ids, dtype=np.int64).tolist() if i in self._ids]
         if not present:
             return 0
+        labels = [self._alias_of.get(i, i) for i in present]
         if self._tombstoning:
-            self._tombstones.update(present)
+            self._tombstones.update(labels)
         else:
-            self._index.remove_ids(np.array(present, dtype=np.int64))
+            self._index.remove_ids(np.array(labels, dtype=np.int64))
+        for face_id, label in zip(present, labels, strict=True):
+            if label != face_id:
+                del self._alias_of[face_id], self._aliases[label]
         self._ids.difference_update(present)
         return len(present)
 
@@ -159,7 +181,11 @@ class FaceIndex:
             order = np.argsort(-scores, axis=1, kind="stable")
             scores, ids = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
         scores = np.where(ids < 0, -np.inf, scores)
-        return scores[:, :k].astype(np.float32), ids[:, :k].astype(np.int64)
+        scores, ids = scores[:, :k].astype(np.float32), ids[:, :k].astype(np.int64)
+        if self._aliases:
+            aliased = ids >= ALIAS_BASE
+            ids[aliased] = [self._aliases[i] for i in ids[aliased].tolist()]
+        return scores, ids
 
     # --- building -----------------------------------------------------------------------------
 
@@ -200,29 +226,31 @@ class FaceIndex:
 
         Both files are staged under names unique to this writer, then renamed together under an
         exclusive lock on ``<name>.lock``; ``load`` reads the pair under a shared lock, so even two
-        processes sharing the folder never pair one save's index with another's metadata.
+        processes sharing the folder never pair one save's index with another's metadata. The staged files
+        hold embeddings: a save that fails (a full disk) removes them, and each is flocked while its writer
+        lives, so that ``remove_stale_partials`` deletes those of a writer killed meanwhile, not a live one's.
         """
         token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         staged = path.with_name(f"{path.name}.{token}.partial")
-        if self.kind.refined:
-            with staged.open("wb") as handle:
-                self._index.write(handle)
-        else:
-            cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
-            faiss.write_index(cpu, str(staged))
-        _fsync(staged)
-        meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
-                "ids": len(self._ids), "tombstones": sorted(self._tombstones), "sha256": sha256_of(staged),
-                "selection": [m.as_dict() for m in self.selection], "exact_checked": self.exact_checked,
-                "selected_at": self.selected_at,
-                **(extra or {})}
         meta_path = path.with_suffix(".json")
         staged_meta = meta_path.with_name(f"{meta_path.name}.{token}.partial")
-        staged_meta.write_text(json.dumps(meta))
-        _fsync(staged_meta)
-        with _pair_lock(path, exclusive=True):
-            staged.replace(path)
-            staged_meta.replace(meta_path)
+        with _staging(staged) as handle, _staging(staged_meta) as meta_handle:
+            if self.kind.refined:
+                self._index.write(handle)
+            else:
+                cpu = faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
+                faiss.write_index(cpu, faiss.PyCallbackIOWriter(handle.write))  # type: ignore[attr-defined]
+            _fsync(handle)
+            meta = {"seq": seq, "dimension": self.dimension, "kind": self.kind.value, "nprobe": self.nprobe,
+                    "ids": len(self._ids), "tombstones": sorted(self._tombstones),
+                    "aliases": sorted(self._aliases.items()), "sha256": sha256_of(staged),
+                    "selection": [m.as_dict() for m in self.selection], "exact_checked": self.exact_checked,
+                    "selected_at": self.selected_at, **(extra or {})}
+            meta_handle.write(json.dumps(meta).encode())
+            _fsync(meta_handle)
+            with _pair_lock(path, exclusive=True):
+                staged.replace(path)
+                staged_meta.replace(meta_path)
 
     @classmethod
     def load(cls, path: Path, config: IndexConfig | None = None,
@@ -248,7 +276,10 @@ class FaceIndex:
             faiss.extract_index_ivf(cpu).nprobe = index.nprobe
         stored = _stored_ids(cpu, kind)
         index._tombstones = set(int(i) for i in meta.get("tombstones", []))
-        index._ids = set(stored.tolist()) - index._tombstones
+        index._aliases = {int(alias): int(face) for alias, face in meta.get("aliases", [])}
+        index._alias_of = {face: alias for alias, face in index._aliases.items()}
+        index._next_alias = max(ALIAS_BASE, int(stored.max()) + 1) if len(stored) else ALIAS_BASE
+        index._ids = {index._aliases.get(i, i) for i in set(stored.tolist()) - index._tombstones}
         if len(index._ids) != int(meta["ids"]):
             raise ValueError(f"snapshot {path} holds {len(index._ids)} ids, its metadata says {meta['ids']}")
         if isinstance(cpu, RefinedIndex):  # the snapshot may come from another kind of CPU: measured here
@@ -278,9 +309,47 @@ def _pair_lock(path: Path, exclusive: bool) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def _fsync(path: Path) -> None:
-    with path.open("rb") as handle:
-        os.fsync(handle.fileno())
+@contextlib.contextmanager
+def _staging(path: Path) -> Iterator[BinaryIO]:
+    """A new file at ``path`` (a save's staged copy), flocked while open; deleted when the block raises."""
+    handle = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), "w+b")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        yield handle
+    except BaseException:
+        path.unlink(missing_ok=True)  # before the lock goes: nobody else deletes it meanwhile
+        raise
+    finally:
+        handle.close()  # closing releases the lock
+
+
+def remove_stale_partials(folder: Path, pattern: str) -> list[Path]:
+    """Delete the staged files (``FaceIndex.save``) matching ``pattern`` in ``folder`` whose writer is gone
+    (SIGKILLed mid-save): they hold embeddings, which must not outlive an erasure. A live writer holds a
+    lock on each of its own: those are left alone. Returns what was deleted."""
+    removed: list[Path] = []
+    for staged in sorted(folder.glob(pattern)):
+        try:
+            fd = os.open(staged, os.O_RDONLY)
+        except OSError:  # renamed in place by its writer meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused while its writer lives
+            staged.unlink()
+            removed.append(staged)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d staged snapshot files left by writers that are gone: %s", len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def _fsync(handle: BinaryIO) -> None:
+    handle.flush()
+    os.fsync(handle.fileno())
 
 
 def _stored_ids(index: Any, kind: IndexKind) -> Ids:

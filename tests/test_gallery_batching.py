@@ -188,3 +188,35 @@ def test_a_finished_batch_wakes_its_own_requests_and_one_leader_only() -> None:
     for thread in threads:
         thread.join(10)
     assert results == {n: float(n) for n in range(6)} and batcher.calls == 4
+
+
+def test_requests_of_different_searches_are_never_mixed_in_one_call() -> None:
+    """Requests queued together that found different indexes of one key (a collection rebuilt, or re-embedded
+    to another dimension, meanwhile) each go to their own search; the first one's queue order is kept.
+    Failed before: all went to the leader's search, and queries of two dimensions could not be joined."""
+    batcher, old, new = SearchBatcher(), Recorder(), Recorder()
+    results: dict[str, tuple[NDArray[Any], ...]] = {}
+    errors: list[BaseException] = []
+
+    def request(name: str, search: Recorder, dimension: int, value: float) -> None:
+        try:
+            results[name] = batcher.search("c", np.full((1, dimension), value, np.float32), 2, search)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=request, args=("lead", old, 4, 1.0))]
+    threads[0].start()
+    while not old.calls:
+        time.sleep(0.001)
+    for name, search, dimension, value in (("a", old, 4, 2.0), ("b", new, 8, 3.0), ("c", old, 4, 4.0)):
+        threads.append(threading.Thread(target=request, args=(name, search, dimension, value)))
+        threads[-1].start()
+        while waiting(batcher, "c") < len(threads) - 1:
+            time.sleep(0.001)
+    new.release.set()
+    old.release.set()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []
+    assert old.calls == [(1, 2), (2, 2)] and new.calls == [(1, 2)]
+    assert {name: float(r[0][0, 0]) for name, r in results.items()} == {"lead": 1, "a": 2, "b": 3, "c": 4}

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +21,17 @@ from gallery.store import GalleryStore, NewFace
 pytest_plugins = ["tests.gallery_fixtures"]
 
 DIM = 16
+ROOT = Path(__file__).resolve().parent.parent
+#: Saves a small index to argv[1] and SIGKILLs itself at the save's first fsync (the index written, staged).
+KILLED_SAVE = """
+import os, signal, sys
+from pathlib import Path
+import numpy as np
+from gallery.index import FaceIndex
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+vectors = np.random.default_rng(0).standard_normal((20, 16)).astype(np.float32)
+FaceIndex.build(16, np.arange(20), vectors).save(Path(sys.argv[1]), 1)
+"""
 
 
 def face(rng: np.random.Generator) -> NewFace:
@@ -95,3 +112,83 @@ def test_a_snapshot_newer_than_the_database_is_ignored(store: GalleryStore, tmp_
     fresh.load()
     assert "older backup" in caplog.text
     assert fresh.size("c") == 2
+
+
+def test_a_snapshot_that_fails_leaves_no_staged_copy(store: GalleryStore, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot that fails midway (the disk full: fsync reports ENOSPC) deletes its staged files, which
+    hold the embeddings; the previous snapshot stays, and the erasure's snapshot is made again at the next
+    call. Failed before: a ``.partial`` copy stayed for ever, and the erasure was not tried again."""
+    rng = np.random.default_rng(4)
+    store.create_collection("c", "m", DIM, 0.5)
+    enroll(store, "c", ["alice", "bob"], rng)
+    gallery = Gallery(store, tmp_path / "idx")
+    gallery.load()
+    (path,) = gallery.snapshot()
+    before = FaceIndex.load(path)[0].ids
+    erased = set(store.delete_identity("c", "alice"))
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        gallery.snapshot_erasures()
+    monkeypatch.undo()
+    left = sorted(p.name for p in path.parent.iterdir())
+    assert left == [path.name, path.stem + ".json", path.stem + ".lock"]
+    assert FaceIndex.load(path)[0].ids == before
+    assert gallery.snapshot_erasures() == [path]
+    assert FaceIndex.load(path)[0].ids == before - erased
+
+
+def killed_save(path: Path) -> set[Path]:
+    """The staged files a process SIGKILLed inside ``FaceIndex.save`` of ``path`` left behind."""
+    before = set(path.parent.glob("*.partial"))
+    done = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(path)], cwd=ROOT, capture_output=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    left = set(path.parent.glob("*.partial")) - before
+    assert left, "the killed save left no staged file"
+    return left
+
+
+def test_staged_files_of_a_killed_save_are_removed_not_a_live_ones(store: GalleryStore, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save SIGKILLed before its rename leaves staged files holding embeddings: opening the collection and
+    every snapshot's pruning delete them, but never those of a save under way (another process's, sharing
+    the folder). Failed before: nothing ever deleted them."""
+    rng = np.random.default_rng(5)
+    store.create_collection("c", "m", DIM, 0.5)
+    enroll(store, "c", ["alice", "bob"], rng)
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    path = folder / f"collection-{store.get_collection('c').id}.faiss"
+    killed_save(path)
+    gallery = Gallery(store, folder)
+    gallery.load()  # opening the collection deletes them
+    assert not list(folder.glob("*.partial"))
+    killed = killed_save(path)
+    entered, release, real_fsync = threading.Event(), threading.Event(), os.fsync
+
+    def held(fd: int) -> None:
+        if threading.current_thread().name == "live-writer":
+            entered.set()
+            release.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", held)
+    index = FaceIndex.build(DIM, np.arange(1, 5), rng.standard_normal((4, DIM)).astype(np.float32))
+    writer = threading.Thread(target=index.save, args=(path, 0), name="live-writer")
+    writer.start()
+    try:
+        assert entered.wait(10)
+        live = set(folder.glob("*.partial")) - killed
+        assert live
+        gallery.snapshot()  # prunes
+        assert set(folder.glob("*.partial")) == live
+    finally:
+        release.set()
+        writer.join(10)
+    assert not list(folder.glob("*.partial"))
+    assert FaceIndex.load(path)[0].ids == {1, 2, 3, 4}

@@ -75,6 +75,50 @@ def test_position_is_recorded_and_a_second_gateway_applies_nothing_twice(store: 
     assert_gallery_matches_db(second, engine, "c", DIM)
 
 
+def test_changes_to_a_collection_another_gateway_opened_reach_milvus(store: GalleryStore, engine: Engine,
+                                                                      engines: Any) -> None:
+    """Gateway ``first`` loaded before collection ``c`` was used, ``second`` opened it in Milvus; ``first``
+    applies the enrolment and the erasure that follow. They reach Milvus whichever gateway applies them:
+    before, ``first`` skipped ``c`` (not open there) yet recorded the shared position past them, so
+    ``second`` never applied them either (the enrolled faces missing, the erased ones found for ever)."""
+    rng = np.random.default_rng(10)
+    store.create_collection("a", MODEL, DIM, 0.5)
+    enroll(store, "a", 2, rng)
+    first = Gallery(store, engine=engines("lost"))
+    first.load()
+    store.create_collection("c", MODEL, DIM, 0.5)
+    enroll(store, "c", 3, rng)
+    second = Gallery(store, engine=engines("lost"))
+    second.load()  # builds c in Milvus
+    store.add_faces("c", "late", new_faces(unit_vectors(rng, 2, DIM), tag="late"), MODEL, create=("Late", {}))
+    erased = set(store.delete_identity("c", "p1"))
+    assert first.sync() > 0 and first.engine.position() == store.last_seq()
+    second.sync()
+    assert not second.face_ids("c") & erased
+    assert_gallery_matches_db(second, engine, "c", DIM)
+    assert_gallery_matches_db(first, engine, "c", DIM)
+
+
+def test_rebuilding_one_collection_applies_the_others_changes(store: GalleryStore, engine: Engine,
+                                                              engines: Any) -> None:
+    """``python -m gallery rebuild --collection c`` (a gallery that loaded nothing) applies the log from
+    Milvus's position: the changes to ``a`` in it reach Milvus too (before, they were skipped and the
+    position recorded past them)."""
+    rng = np.random.default_rng(11)
+    for name in ("a", "c"):
+        store.create_collection(name, MODEL, DIM, 0.5)
+        enroll(store, name, 3, rng)
+    gateway = Gallery(store, engine=engines("cli"))
+    gateway.load()
+    erased = set(store.delete_identity("a", "p0"))
+    store.add_faces("a", "late", new_faces(unit_vectors(rng, 2, DIM), tag="late"), MODEL, create=("Late", {}))
+    Gallery(store, engine=engines("cli")).rebuild("c")
+    assert gateway.engine.position() == store.last_seq()
+    gateway.sync()
+    assert not gateway.face_ids("a") & erased
+    assert_gallery_matches_db(gateway, engine, "a", DIM)
+
+
 def test_an_idle_follower_asks_neither_milvus_nor_the_database_lock(store: GalleryStore, engine: Engine,
                                                                    engines: Any,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,137 @@
+"""Searches raced by the changes applied under them: an index filled between a search's first engine call
+and its widening (``Gallery._best_identities``), and requests batched together that found different
+indexes of one collection (``Gallery.search`` with ``SearchBatcher``). Real FAISS, SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from gallery.batching import Arrays, Search, SearchBatcher
+from gallery.gallery import Gallery, SearchResult
+from gallery.store import GalleryStore
+from tests.gallery_helpers import MODEL, new_faces, unit_vectors
+
+pytest_plugins = ["tests.gallery_fixtures"]
+
+DIM = 16
+
+
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """``call()`` in a daemon thread; its outcome lands in the dict (``result`` or ``error``)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+class SyncAfterSearch(SearchBatcher):
+    """A batcher after whose engine call the gallery applies the change log: a follower's sync landing
+    between a search's first engine call and its widening."""
+
+    gallery: Gallery
+
+    def search(self, key: Any, queries: NDArray[np.float32], k: int, search: Search) -> Arrays:
+        found = super().search(key, queries, k, search)
+        self.gallery.sync()
+        return found
+
+
+def test_a_search_whose_index_filled_after_its_first_call_ends(store: GalleryStore) -> None:
+    """The first call found the index empty (no columns); faces applied before the widening gave it one face
+    per call, never more: the search looped for ever (a CPU and a worker thread held) when that face did not
+    give k identities. Failed before (the search never returned)."""
+    rng = np.random.default_rng(60)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    batcher = SyncAfterSearch()
+    gallery = Gallery(store, batcher=batcher)
+    batcher.gallery = gallery
+    gallery.load()  # the collection's index is empty
+    for person in ("ann", "bob", "cy"):
+        store.add_faces("c", person, new_faces(unit_vectors(rng, 2, DIM), tag=person), MODEL,
+                        create=(person.title(), {}))
+    query = unit_vectors(rng, 1, DIM)
+    thread, outcome = in_thread(lambda: gallery.search("c", query, k=2))
+    thread.join(10)
+    if thread.is_alive():  # stop the spinning search: its next engine call raises
+        entry = next(iter(gallery._collections.values()))
+
+        def stopped(*_: Any) -> None:
+            raise RuntimeError("stopped by the test")
+
+        entry.index.search = stopped  # type: ignore[method-assign]
+        thread.join(5)
+        raise AssertionError("the search did not end within 10 s (the widening made no progress)")
+    assert "error" not in outcome, outcome
+    (result,) = outcome["result"]
+    assert isinstance(result, SearchResult)
+    assert [(c.external_id, c.face_id) for c in result.candidates] == [
+        (c.external_id, c.face_id) for c in gallery.search("c", query, k=2)[0].candidates]
+    assert len(result.candidates) == 2
+
+
+def queued(gallery: Gallery, collection_id: int) -> int:
+    queue = gallery.batcher._queues.get(collection_id)
+    return 0 if queue is None else len(queue.waiting)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_a_request_is_searched_in_the_index_it_found(store: GalleryStore) -> None:
+    """A request queued behind a search of the collection's old index (replaced since by a rebuild that left
+    out a deleted face) is searched in the new one, not in the old one with the request that leads the next
+    call. Failed before: batched with that leader, it found the deleted face."""
+    rng = np.random.default_rng(61)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    vectors = unit_vectors(rng, 6, DIM)
+    _, ann = store.add_faces("c", "ann", new_faces(vectors[:2], tag="ann"), MODEL, create=("Ann", {}))
+    for number, person in enumerate(("bob", "cy"), start=1):
+        store.add_faces("c", person, new_faces(vectors[2 * number:2 * number + 2], tag=person), MODEL,
+                        create=(person.title(), {}))
+    gallery = Gallery(store)
+    gallery.load()
+    collection_id = store.get_collection("c").id
+    old = gallery._collections[collection_id]
+    entered, release = threading.Event(), threading.Event()
+    search = old.index.search
+
+    def held(queries: NDArray[np.float32], k: int) -> tuple[NDArray[Any], ...]:
+        entered.set()
+        release.wait(10)
+        return search(queries, k)
+
+    old.index.search = held  # type: ignore[method-assign]
+    first, _ = in_thread(lambda: gallery.search("c", vectors[5], k=1))  # leads a call, held in the engine
+    assert entered.wait(10)
+    behind, _ = in_thread(lambda: gallery.search("c", vectors[4], k=1))  # found the old index: queued
+    wait_until(lambda: queued(gallery, collection_id) == 1, "the request on the old index to queue")
+    deleted = ann[0].id
+    store.delete_face("c", deleted)
+    gallery.rebuild("c")  # a new index, without the deleted face, replaces the one being searched
+    assert gallery._collections[collection_id] is not old
+    late, outcome = in_thread(lambda: gallery.search("c", vectors[0], k=1))
+    wait_until(lambda: queued(gallery, collection_id) == 2, "the request on the new index to queue")
+    release.set()
+    for thread in (first, behind, late):
+        thread.join(10)
+    assert "error" not in outcome, outcome
+    (result,) = outcome["result"]
+    assert result.candidates and result.candidates[0].face_id != deleted, result.candidates
+    assert result.candidates == gallery.search("c", vectors[0], k=1)[0].candidates
