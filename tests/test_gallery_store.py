@@ -15,12 +15,12 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from numpy.typing import NDArray
-from sqlalchemy import Engine, inspect, text
+from sqlalchemy import Engine, insert, inspect, text
 
 import gallery.store as gallery_store
 from gallery.db import Polled, create_db_engine, migrate
 from gallery.errors import Conflict, InvalidEmbedding, ModelMismatch, NotFound
-from gallery.models import Base, ChangeOp
+from gallery.models import Base, ChangeOp, Identity
 from gallery.store import GalleryStore
 from tests.gallery_helpers import (
     MODEL,
@@ -162,6 +162,32 @@ def test_identity_list_pagination_and_literal_name_filter(people: GalleryStore) 
     assert named("nobody") == []
     page, total = store.list_identities("people", offset=1, limit=1, name_contains="alice")
     assert [i.name for i in page] == ["ALICE Jones"] and total == 3
+
+
+def test_every_external_id_in_one_query(people: GalleryStore, engine: Engine) -> None:
+    """What the compatible APIs list (every subject): in creation order, in one statement however many
+    there are (paging counted the collection and skipped an OFFSET per page of 500)."""
+    from sqlalchemy import event
+
+    store = people
+    with store.db.write() as session:
+        owner = store._collection(session, "people").id
+        session.execute(insert(Identity), [{"collection_id": owner, "external_id": f"x{n:04d}", "name": ""}
+                                           for n in range(1_200)])
+    store.create_collection("others", MODEL, DIM, 0.5)
+    store.create_identity("others", "elsewhere")
+    statements: list[str] = []
+
+    def count(*args: object) -> None:
+        statements.append(str(args[2]))
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        ids = store.external_ids("people")
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert ids == [f"x{n:04d}" for n in range(1_200)]
+    assert len([s for s in statements if "identities" in s]) == 1, statements
 
 
 def test_identity_update_and_delete(people: GalleryStore, engine: Engine, rng: np.random.Generator) -> None:

@@ -218,16 +218,7 @@ async def add_subject(collection: CollectionDep, body: SubjectJson, store: Store
 
 @router.get("/recognition/subjects", summary="CompreFace: list subjects")
 async def list_subjects(collection: CollectionDep, store: StoreDep) -> dict[str, list[str]]:
-    def every() -> list[str]:
-        names, offset = [], 0
-        while True:
-            page, total = store.list_identities(collection, offset, 500)
-            names += [i.external_id for i in page]
-            offset += len(page)
-            if not page or offset >= total:
-                return names
-
-    return {"subjects": await asyncio.to_thread(every)}
+    return {"subjects": await asyncio.to_thread(store.external_ids, collection)}
 
 
 @router.put("/recognition/subjects/{subject}",

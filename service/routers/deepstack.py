@@ -275,16 +275,7 @@ async def list_faces(request: Request, settings: SettingsDep, keys: KeysDep, ser
     started = time.perf_counter()
     fields = await _fields(request, KeyJson)
     name = await _collection(request, settings, keys, fields)
-
-    def every() -> list[str]:
-        names: list[str] = []
-        while True:
-            page, total = service.store.list_identities(name, len(names), 500)
-            names += [i.external_id for i in page]
-            if not page or len(names) >= total:
-                return names
-
-    return Answer(faces=await asyncio.to_thread(every), duration=_ms(started))
+    return Answer(faces=await asyncio.to_thread(service.store.external_ids, name), duration=_ms(started))
 
 
 @router.post("/face/delete", response_model=Answer, response_model_exclude_none=True, openapi_extra=DELETE,
