@@ -175,6 +175,17 @@ def test_k8s_postgres(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     mounts = {m["name"] for m in _container(statefulset)["volumeMounts"]}
     assert {t["metadata"]["name"] for t in templates} <= mounts
     assert "pg_isready" in _container(statefulset)["readinessProbe"]["exec"]["command"]
+    # every gateway the HPA may run (plus a rollout's surge) with its engine's whole pool, and a few more
+    # (migrations, python -m gallery, an operator's psql)
+    from gallery.db import create_db_engine
+
+    pool = create_db_engine("postgresql+psycopg://u@localhost/db").pool
+    per_gateway = pool.size() + pool._max_overflow  # type: ignore[attr-defined]
+    gateways = k8s[("HorizontalPodAutoscaler", "gateway")]["spec"]["maxReplicas"] + int(
+        k8s[("Deployment", "gateway")]["spec"]["strategy"]["rollingUpdate"]["maxSurge"])
+    args = _container(statefulset)["args"]
+    limit = int(next(a.split("=")[1] for a in args if a.startswith("max_connections=")))
+    assert limit >= gateways * per_gateway + 10, (limit, gateways, per_gateway)
 
 
 def test_k8s_services_select_pods_and_ports(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
