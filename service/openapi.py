@@ -22,8 +22,10 @@ def _inline(schema: Any, defs: dict[str, Any]) -> Any:
 
 def image_body(json_model: type[BaseModel], files: dict[str, bool],
                fields: dict[str, dict[str, Any]] | None = None,
-               example: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``openapi_extra`` for a body of files (name -> several allowed) plus form fields, or JSON."""
+               example: dict[str, Any] | None = None, required: tuple[str, ...] | None = None
+               ) -> dict[str, Any]:
+    """``openapi_extra`` for a body of files (name -> several allowed) plus form fields, or JSON; the form
+    requires ``required`` (default: every file; () where any one of them will do)."""
     json_schema = json_model.model_json_schema()
     properties: dict[str, Any] = {
         name: {"type": "array", "items": _FILE} if several else _FILE for name, several in files.items()
@@ -34,7 +36,8 @@ def image_body(json_model: type[BaseModel], files: dict[str, bool],
         json_content["example"] = example
     return {"requestBody": {"required": True, "content": {
         "multipart/form-data": {
-            "schema": {"type": "object", "properties": properties, "required": list(files)},
+            "schema": {"type": "object", "properties": properties,
+                       "required": list(files if required is None else required)},
         },
         "application/json": json_content,
     }}}

@@ -182,6 +182,14 @@ def test_the_openapi_json_bodies_name_every_field_and_no_other() -> None:
     assert set(body("face/recognize")["properties"]) == {"api_key", "min_confidence", "image"}
     assert set(body("face/list")["properties"]) == {"api_key"}
     assert set(body("face/delete")["properties"]) == {"api_key", "userid"}
+    # a form needs one image field, whichever (deepstack-python sends only `image`); match needs both
+    def form(route: str) -> dict[str, Any]:
+        schema: dict[str, Any] = paths[f"/v1/vision/{route}"]["post"]["requestBody"]["content"][
+            "multipart/form-data"]["schema"]
+        return schema
+
+    assert form("face/register")["required"] == []
+    assert form("face/match")["required"] == ["image1", "image2"]
 
 
 @pytest.mark.triton

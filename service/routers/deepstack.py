@@ -135,8 +135,8 @@ class Answer(BaseModel):
 
 _KEY = {"api_key": {"type": "string"}}
 FORM = image_body(ImageJson, {"image": False}, {**_KEY, "min_confidence": {"type": "number"}})
-REGISTER = image_body(RegisterJson, dict.fromkeys(IMAGE_FIELDS[:2], False),
-                      {**_KEY, "userid": {"type": "string"}})
+REGISTER = image_body(RegisterJson, dict.fromkeys(IMAGE_FIELDS[:2], False),  # any one image field will do
+                      {**_KEY, "userid": {"type": "string"}}, required=())
 PAIR = image_body(PairJson, dict.fromkeys(PAIR_FIELDS, False), _KEY)
 LIST = image_body(KeyJson, {}, _KEY)
 DELETE = image_body(UseridJson, {}, {**_KEY, "userid": {"type": "string"}})
