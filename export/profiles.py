@@ -82,18 +82,20 @@ class ProfileTuning:
                 detector=Batching(8, (4, 8), 1000),
                 embedder=Batching(64, (16, 32, 64), 1000),
                 pipeline=Batching(8, (4, 8), 2000),
-                # JPEGs at least twice the detector input are decoded at 1/2, 1/4 or 1/8 scale.
-                pipeline_options={"decode_min_side": "640"},
+                # JPEGs at least twice the detector input are decoded at 1/2, 1/4 or 1/8 scale; OpenCV's own
+                # loops run on one thread in each instance (the instances already share the cores).
+                pipeline_options={"decode_min_side": "640", "opencv_threads": "1"},
             )
         # GPU: larger batches amortize kernel launches. face_pipeline's Python work (decode, letterbox,
         # NMS, alignment) bounds this profile: the image's entrypoint sets its instance count from the
         # host's CPUs at start (deploy/triton/entrypoint.py; 2 is what a repository says elsewhere), and
-        # big JPEGs are decoded at reduced size, as in the CPU profile (docs/gpu-plan.md).
+        # big JPEGs are decoded at reduced size, as in the CPU profile (docs/gpu-plan.md). One instance per
+        # CPU: OpenCV's own loops get one thread each, not a pool as large as the host in every instance.
         return ProfileTuning(
             detector=Batching(16, (8, 16), 500),
             embedder=Batching(128, (32, 64, 128), 500),
             pipeline=Batching(16, (8, 16), 1000, instances=2),
-            pipeline_options={"decode_min_side": "640"},
+            pipeline_options={"decode_min_side": "640", "opencv_threads": "1"},
         )
 
     @staticmethod

@@ -81,12 +81,17 @@ class PipelineSettings:
     #: JPEGs whose longer side is at least twice this are decoded at 1/2, 1/4 or 1/8 scale (never
     #: below this side). 0 disables reduced decoding.
     decode_min_side: int = 0
+    #: Threads OpenCV's own parallel loops (resize, colour conversion, warps of large images) may use in
+    #: each instance; 0 keeps OpenCV's default, one per CPU, in every instance.
+    opencv_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.detector.role is not Role.DETECTOR or self.embedder.role is not Role.EMBEDDER:
             raise ValueError("detector/embedder descriptions have the wrong roles")
         if min(self.detector_max_batch, self.embedder_max_batch, self.max_faces, self.max_pixels) < 1:
             raise ValueError("batch sizes, max_faces and max_pixels must be positive")
+        if self.opencv_threads < 0:
+            raise ValueError("opencv_threads must be >= 0 (0: OpenCV's default)")
         if not 0.0 <= self.score_threshold <= 1.0 or not 0.0 < self.nms_iou <= 1.0:
             raise ValueError("score_threshold must be in [0, 1] and nms_iou in (0, 1]")
 

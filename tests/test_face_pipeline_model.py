@@ -320,3 +320,21 @@ def test_faces_embedded_beside_other_instances_go_in_sub_batches(
     assert np.min(np.sum(alone * crowded, axis=1)) > 0.9999
     other.close()
     model.finalize()
+
+
+def test_opencv_threads_are_set_per_instance(fake_pb_utils: ModuleType, cpu_repository: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every instance is a process of its own, and OpenCV's pool is as large as the host in each: the
+    exported profiles give its loops one thread (``opencv_threads``), 0 leaves OpenCV's default."""
+    import cv2
+
+    config = _config(cpu_repository, "face_pipeline")
+    assert json.loads(config)["parameters"]["opencv_threads"] == {"string_value": "1"}
+    asked: list[int] = []
+    monkeypatch.setattr(cv2, "setNumThreads", asked.append)
+    module = load_model_module(PIPELINE_SOURCE, "face_pipeline_threads")
+    for value, expected in (("1", [1]), ("0", [])):
+        asked.clear()
+        module.TritonPythonModel().initialize({"model_config": with_parameters(
+            config, opencv_threads=value, layout="bls"), "model_version": "1"})
+        assert asked == expected, value

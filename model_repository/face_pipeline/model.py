@@ -135,6 +135,8 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
         params = parameters(args["model_config"])
         self.settings = PipelineSettings.from_parameters(params)
+        if self.settings.opencv_threads:  # per process: every instance is a stub of its own
+            cv2.setNumThreads(self.settings.opencv_threads)
         detector, embedder = self.settings.detector, self.settings.embedder
         self.detector_io = (detector.input_name, list(detector.output_names))
         self.embedder_io = (embedder.input_name, list(embedder.output_names))
