@@ -98,7 +98,8 @@ class Engine(Protocol):
     def build(self, info: CollectionInfo, ids: Ids, identities: Ids, vectors: Vectors) -> CollectionIndex: ...
 
     def forget(self, collection_id: int) -> None:
-        """The collection was dropped (or re-embedded): delete what the engine stores of it."""
+        """The collection was dropped (or re-embedded), or lost faces while not loaded in this process (not
+        called for shared engines): delete what the engine stores of it (FAISS: at the next ``prune``)."""
         ...
 
     def persist(self, index: CollectionIndex, info: CollectionInfo, seq: int, erased: bool) -> list[str]:
@@ -107,7 +108,7 @@ class Engine(Protocol):
         ...
 
     def prune(self, live: set[int]) -> None:
-        """Delete what the engine stores of collections not in ``live``."""
+        """Delete what the engine stores of collections not in ``live`` (and of those forgotten)."""
         ...
 
     def position(self) -> int | None:
@@ -197,6 +198,9 @@ class FaissEngine:
                  force_tombstones: bool = False) -> None:
         self.snapshot_dir, self.config = snapshot_dir, config or IndexConfig()
         self.force_tombstones = force_tombstones
+        #: collections whose snapshot is out of date (dropped, re-embedded, changed while not loaded here, or
+        #: one ``open`` could not use): its files may hold erased vectors, deleted by the next ``prune``
+        self._forgotten: set[int] = set()
 
     def _path(self, collection_id: int) -> Path | None:
         return None if self.snapshot_dir is None else self.snapshot_dir / f"collection-{collection_id}.faiss"
@@ -212,10 +216,12 @@ class FaissEngine:
             index, meta = FaceIndex.load(path, self.config, self.force_tombstones)
             seq = int(meta["seq"])
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:  # malformed metadata too
-            log.warning("ignoring snapshot %s: %r", path, exc)
+            log.warning("ignoring snapshot %s (deleted at the next prune): %r", path, exc)
+            self._forgotten.add(info.id)
             return None
         if meta.get("embedding_model") != info.embedding_model or index.dimension != info.dimension:
-            log.warning("ignoring snapshot %s: made for another model", path)
+            log.warning("ignoring snapshot %s (deleted at the next prune): made for another model", path)
+            self._forgotten.add(info.id)
             return None
         ids, owners = identities()
         return FaissIndex(index, dict(zip(ids.tolist(), owners.tolist(), strict=True))), seq
@@ -226,7 +232,9 @@ class FaissEngine:
         return FaissIndex(index, dict(zip(ids.tolist(), identities.tolist(), strict=True)))
 
     def forget(self, collection_id: int) -> None:
-        """Nothing to do at once: ``prune`` removes a dropped collection's snapshot files."""
+        """Its snapshot files are deleted by the next ``prune`` (the gallery asks for one within the erasure
+        delay), unless a new snapshot of it replaces them first."""
+        self._forgotten.add(collection_id)
 
     def persist(self, index: CollectionIndex, info: CollectionInfo, seq: int, erased: bool) -> list[str]:
         path = self._path(info.id)
@@ -234,17 +242,21 @@ class FaissEngine:
             return []
         path.parent.mkdir(parents=True, exist_ok=True)
         index.index.save(path, seq, {"embedding_model": info.embedding_model})
+        self._forgotten.discard(info.id)
         return [str(path)]
 
     def prune(self, live: set[int]) -> None:
-        """Also the staged files of saves killed before they finished (``remove_stale_partials``)."""
+        """Also the snapshots of collections forgotten since (``forget``), and the staged files of saves
+        killed before they finished (``remove_stale_partials``)."""
         if self.snapshot_dir is None or not self.snapshot_dir.exists():
+            self._forgotten.clear()  # nothing stored
             return
         remove_stale_partials(self.snapshot_dir, "collection-*.partial")
-        names = {f"collection-{i}" for i in live}
+        names = {f"collection-{i}" for i in live - self._forgotten}
         for stale in self.snapshot_dir.glob("collection-*"):
             if stale.name.split(".")[0] not in names and stale.suffix in (".faiss", ".json", ".lock"):
                 stale.unlink(missing_ok=True)
+        self._forgotten.clear()
 
     def position(self) -> int | None:
         return None

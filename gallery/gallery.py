@@ -29,6 +29,7 @@ from facecore.settings import Settings
 from gallery.batching import SearchBatcher
 from gallery.embeddings import validate_embeddings
 from gallery.engines import CollectionIndex, Engine, FaissEngine, IndexInfo, make_engine
+from gallery.errors import InvalidEmbedding
 from gallery.index import IndexConfig
 from gallery.models import ChangeOp
 from gallery.store import Change, CollectionInfo, GalleryStore, check_model
@@ -175,6 +176,7 @@ class Gallery:
             self.sync()
             if self.engine.shared:
                 self.engine.record(self._applied)  # every collection now includes the log up to here
+            self._erased.add("")  # what the engine stores of collections dropped meanwhile, snapshots unused
             self.loaded = True
 
     def _open(self, info: CollectionInfo, last: int) -> tuple[_Collection, int] | None:
@@ -188,6 +190,9 @@ class Gallery:
         if seq > last:
             log.warning("ignoring the persisted index of %s: it is at change %d, the database only at %d "
                         "(restored from an older backup?)", info.name, seq, last)
+            if not self.engine.shared:  # a snapshot: deleted at the next prune (once the log grew past its
+                self.engine.forget(info.id)  # position, a restart would take it for valid)
+                self._erased.add("")
             return None
         return _Collection(info, index), seq
 
@@ -211,7 +216,8 @@ class Gallery:
         """Persist indexes (all, or one collection's) with the change-log position they include.
 
         Erased vectors never reach the disk: a tombstoned index is rebuilt from the database first,
-        and what the engine stored of deleted collections is removed.
+        and what the engine stored of deleted collections (and of forgotten ones: re-embedded, or changed
+        while not loaded here) is removed.
         """
         written: list[str] = []
         with self._lock:
@@ -320,7 +326,9 @@ class Gallery:
                 start, fresh = since, _Collection(info, built)
                 while start < self._applied and (changes := self.store.changes_since(start)):
                     mine = [c for c in changes if c.seq <= self._applied and c.collection_id == info.id]
-                    self._apply_to(fresh, [c for c in mine if c.op is not ChangeOp.RELABEL])
+                    if not self._apply_to(fresh, [c for c in mine if c.op is not ChangeOp.RELABEL]):
+                        self._reselections["outdated"] += 1
+                        return  # re-embedded meanwhile: its DROP, not applied yet, drops the current index
                     start = changes[-1].seq
                 self._collections[info.id] = fresh
                 self._erased.add(info.name)  # persisted within seconds: a restart loads the new kind
@@ -372,9 +380,15 @@ class Gallery:
             self._open_held(unopened)
         for collection_id, items in by_collection.items():
             entry = self._collections.get(collection_id)
-            if entry is None:
-                continue  # built lazily from the database when first used
-            self._apply_to(entry, items)
+            if entry is not None:
+                if not self._apply_to(entry, items):
+                    self._collections.pop(collection_id)  # built from the database when first used
+            elif not self.engine.shared and any(c.op is ChangeOp.REMOVE for c in items):
+                # built lazily from the database when first used; a snapshot of it (written before a re-embed,
+                # or by another process sharing the folder) holds the removed vectors: deleted with the
+                # dropped collections' (a shared engine holds no collection left unopened by _open_held)
+                self.engine.forget(collection_id)
+                self._erased.add("")
 
     def _open_held(self, collection_ids: AbstractSet[int]) -> None:
         """Open those of these collections that the shared engine holds (built by another process) so that
@@ -386,12 +400,20 @@ class Gallery:
             if info.id in collection_ids and (opened := self._open(info, last)) is not None:
                 self._collections[info.id] = opened[0]
 
-    def _apply_to(self, entry: _Collection, items: list[Change]) -> None:
+    def _apply_to(self, entry: _Collection, items: list[Change]) -> bool:
         """Apply one collection's adds and removes, in order, to its index (the vectors added are read
-        from the database first, outside the index's lock)."""
+        from the database first, outside the index's lock). False, with nothing applied, when the entry is
+        out of date: the faces added hold vectors of another dimension, the collection re-embedded since
+        (its DROP further on in the log, beyond the batch of changes being applied)."""
         info, index = entry.info, entry.index
         added = [c.face_id for c in items if c.op is ChangeOp.ADD]
-        vectors = self.store.vectors(added, info.dimension) if added else {}
+        try:
+            vectors = self.store.vectors(added, info.dimension) if added else {}
+        except InvalidEmbedding:
+            if not self._reembedded(info):
+                raise
+            log.info("collection %s was re-embedded: its index is built again from the database", info.name)
+            return False
         # in seq order, a run of adds or of removes at a time: an add then a remove of the same
         # face ends removed (a face whose row is gone, removed later in the log, is not added)
         with entry.lock:
@@ -405,6 +427,13 @@ class Gallery:
                 elif op is ChangeOp.REMOVE:
                     index.remove(np.array([c.face_id for c in run]))
                     self._erased.add(info.name)
+        return True
+
+    def _reembedded(self, info: CollectionInfo) -> bool:
+        """The database holds the collection with another model or dimension than ``info`` (or no more)."""
+        current = next((c for c in self.store.list_collections() if c.id == info.id), None)
+        return current is None or (current.embedding_model, current.dimension) != (info.embedding_model,
+                                                                                   info.dimension)
 
     def _forget_labels(self, changes: list[Change]) -> None:
         """Labels these changes may have made wrong: the identity's (faces removed, possibly with it, or a
@@ -460,9 +489,12 @@ class Gallery:
         entry = self._loaded(collection)
         if entry is not None:
             return entry
-        info = self.store.get_collection(collection)  # raises NotFound
+        self.store.get_collection(collection)  # raises NotFound
         self.sync()
         with self._lock, self._exclusive():
+            # read again with the log applied: a collection deleted (a new one of its name created) or
+            # re-embedded meanwhile, its DROP applied by that sync, would be built as it was, and kept
+            info = self.store.get_collection(collection)
             if info.id not in self._collections:
                 last = self.store.last_seq()
                 opened = self._open(info, last) if self.engine.shared else None  # built by another process

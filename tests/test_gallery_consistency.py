@@ -120,6 +120,34 @@ def test_other_embedding_model_is_refused(store: GalleryStore, engine: Engine,
     assert gallery.search("m", query, embedding_model=MODEL)[0].candidates
 
 
+def test_a_follower_behind_a_reembed_to_another_dimension_applies_the_log_on(
+        store: GalleryStore, engine: Engine, make_gallery: GalleryFactory, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A follower reads the log in batches (of 10,000 rows; 2 here): a batch with faces added to a collection
+    whose re-embed to another dimension (its DROP) is in a later batch finds their rows holding the new
+    vectors. The collection's index is dropped then (built from the database when next used) and the log
+    applied on. Failed before: InvalidEmbedding at every sync, which read the same first rows each time, so
+    no change of any collection was applied any more (deletions included)."""
+    rng = np.random.default_rng(29)
+    for name in ("c", "other"):
+        store.create_collection(name, MODEL, DIM, 0.5)
+        enroll(store, rng, name, "seed", 2)
+    gallery = make_gallery(store)
+    gallery.load()
+    enroll(store, rng, "c", "late", 3)  # not applied by the follower yet
+    ids = sorted(db_faces(engine, "c"))
+    store.replace_embeddings("c", ids, unit_vectors(rng, len(ids), 2 * DIM), OTHER_MODEL, 2 * DIM, 0.5)
+    enroll(store, rng, "other", "after", 2)
+    store.delete_identity("other", "seed")
+    changes_since = store.changes_since
+    monkeypatch.setattr(store, "changes_since", lambda seq, limit=2: changes_since(seq, min(limit, 2)))
+    gallery.sync()
+    assert gallery.applied_seq == store.last_seq()
+    assert_gallery_matches_db(gallery, engine, "other", DIM)
+    assert gallery.collection_info("c").embedding_model == OTHER_MODEL
+    assert_gallery_matches_db(gallery, engine, "c", 2 * DIM)
+
+
 # --- restarts -----------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 from gallery.gallery import Gallery
 from gallery.index import FaceIndex
@@ -192,3 +193,121 @@ def test_staged_files_of_a_killed_save_are_removed_not_a_live_ones(store: Galler
         writer.join(10)
     assert not list(folder.glob("*.partial"))
     assert FaceIndex.load(path)[0].ids == {1, 2, 3, 4}
+
+
+def held_in(folder: Path, vectors: NDArray[np.float32]) -> dict[str, int]:
+    """Files of ``folder`` holding any of these float32 vectors byte for byte: {name: vectors found}."""
+    found: dict[str, int] = {}
+    for path in sorted(folder.iterdir()):
+        data = path.read_bytes()
+        count = sum(np.asarray(v, "<f4").tobytes() in data for v in vectors)
+        if count:
+            found[path.name] = count
+    return found
+
+
+def stored_vectors(store: GalleryStore, collection: str, face_ids: set[int]) -> NDArray[np.float32]:
+    info = store.get_collection(collection)
+    ids, _, vectors = store.collection_vectors(info.id, info.dimension)
+    return vectors[np.isin(ids, sorted(face_ids))]
+
+
+def reembed(store: GalleryStore, collection: str, dimension: int, rng: np.random.Generator) -> None:
+    """What ``gallery.reembed`` writes: every face's new vector (another model, ``dimension``) and a DROP."""
+    ids = sorted(store.collection_vectors(store.get_collection(collection).id, DIM)[0].tolist())
+    store.replace_embeddings(collection, ids, rng.standard_normal((len(ids), dimension)).astype(np.float32),
+                             "m2", dimension, 0.5)
+
+
+def snapshotted_pair(store: GalleryStore, folder: Path, rng: np.random.Generator
+                     ) -> tuple[Gallery, NDArray[np.float32]]:
+    """Collection ``c`` of alice and bob, loaded and snapshotted into ``folder``: the gallery and alice's
+    vectors, which the snapshot holds."""
+    store.create_collection("c", "m", DIM, 0.5)
+    enroll(store, "c", ["alice", "bob"], rng)
+    gallery = Gallery(store, folder)
+    gallery.load()
+    gallery.snapshot()
+    alice = stored_vectors(store, "c", {f.id for f in store.list_faces("c", "alice")})
+    assert held_in(folder, alice)
+    return gallery, alice
+
+
+@pytest.mark.parametrize("deleted", ["after", "before"])
+def test_a_reembedded_collections_old_snapshot_keeps_no_erased_vector(store: GalleryStore, tmp_path: Path,
+                                                                     deleted: str) -> None:
+    """A re-embed drops the collection's index (rebuilt from the database when next used): its snapshot of
+    the old model's vectors is deleted at the erasure snapshot, so an identity deleted after the re-embed
+    (or before it, its erasure still pending when the index was dropped) leaves no vector on disk. Failed
+    before: the old snapshot stayed, with every face's old vector, until the collection was used again and
+    a full snapshot rewrote it."""
+    rng = np.random.default_rng(6)
+    gallery, old = snapshotted_pair(store, tmp_path / "idx", rng)
+    if deleted == "before":
+        store.delete_identity("c", "alice")
+        gallery.sync()
+    reembed(store, "c", 8, rng)
+    gallery.sync()
+    if deleted == "after":
+        store.delete_identity("c", "alice")
+        gallery.sync()
+    gallery.snapshot_erasures()
+    assert held_in(tmp_path / "idx", old) == {}
+    gallery.snapshot()
+    assert gallery.face_ids("c") == {f.id for f in store.list_faces("c", "bob")}
+
+
+def test_a_snapshot_of_another_model_is_deleted_at_load(store: GalleryStore, tmp_path: Path) -> None:
+    """A gateway stopped while its collection was re-embedded and an identity deleted finds a snapshot of
+    the old model at its start: unusable, deleted at the first erasure snapshot. Failed before: it stayed
+    (ignored) until a full snapshot overwrote it."""
+    rng = np.random.default_rng(7)
+    _, old = snapshotted_pair(store, tmp_path / "idx", rng)
+    reembed(store, "c", DIM, rng)
+    store.delete_identity("c", "alice")
+    restarted = Gallery(store, tmp_path / "idx")
+    restarted.load()
+    restarted.snapshot_erasures()
+    assert held_in(tmp_path / "idx", old) == {}
+    assert restarted.face_ids("c") == {f.id for f in store.list_faces("c", "bob")}
+
+
+def test_a_snapshot_of_a_collection_not_loaded_here_keeps_no_erased_vector(store: GalleryStore,
+                                                                          tmp_path: Path) -> None:
+    """Faces removed from a collection this gallery has not loaded (it was created after its start; its
+    snapshot was written by another process sharing the folder, gone since): that snapshot is deleted at the
+    erasure snapshot. Failed before: the changes were skipped, and the file kept the vectors."""
+    rng = np.random.default_rng(8)
+    gateway = Gallery(store, tmp_path / "idx")
+    gateway.load()
+    _, vectors = snapshotted_pair(store, tmp_path / "idx", rng)  # by another process, gone since
+    store.delete_identity("c", "alice")
+    gateway.sync()
+    gateway.snapshot_erasures()
+    assert held_in(tmp_path / "idx", vectors) == {}
+    assert gateway.face_ids("c") == {f.id for f in store.list_faces("c", "bob")}
+
+
+def test_a_snapshot_newer_than_the_database_is_deleted(store: GalleryStore, tmp_path: Path) -> None:
+    """A snapshot past the database's last change (the database restored from an older backup) holds faces the
+    database does not: deleted at the first erasure snapshot. Failed before: it stayed, and once the log grew
+    past its position a restart loaded it, the changes between the two positions never applied."""
+    rng = np.random.default_rng(9)
+    store.create_collection("c", "m", DIM, 0.5)
+    enroll(store, "c", ["a"], rng)
+    gallery = Gallery(store, tmp_path / "idx")
+    gallery.load()
+    (path,) = gallery.snapshot()
+    meta = path.with_suffix(".json")
+    meta.write_text(meta.read_text().replace('"seq": ', '"seq": 10', 1))  # as if the DB was restored
+    position = FaceIndex.load(path)[1]["seq"]
+    restored = Gallery(store, tmp_path / "idx")
+    restored.load()
+    restored.snapshot_erasures()
+    assert not path.exists()
+    while store.last_seq() < position:  # the log passes the snapshot's position
+        enroll(store, "c", [f"p{store.last_seq()}"], rng)
+    restarted = Gallery(store, tmp_path / "idx")
+    restarted.load()
+    faces = store.collection_identities(store.get_collection("c").id)[0]
+    assert restarted.face_ids("c") == set(faces.tolist())

@@ -10,12 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 from numpy.typing import NDArray
 
 from gallery.batching import Arrays, Search, SearchBatcher
 from gallery.gallery import Gallery, SearchResult
 from gallery.store import GalleryStore
-from tests.gallery_helpers import MODEL, new_faces, unit_vectors
+from tests.gallery_helpers import MODEL, OTHER_MODEL, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
 
@@ -135,3 +136,40 @@ def test_a_request_is_searched_in_the_index_it_found(store: GalleryStore) -> Non
     (result,) = outcome["result"]
     assert result.candidates and result.candidates[0].face_id != deleted, result.candidates
     assert result.candidates == gallery.search("c", vectors[0], k=1)[0].candidates
+
+
+@pytest.mark.parametrize("change", ["recreated", "reembedded"])
+def test_a_collection_changed_as_its_index_is_first_built_is_built_as_it_is_now(
+        store: GalleryStore, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    """A collection's index is built when first used, after the log is applied: deleted and created again
+    (or re-embedded) between the read of the collection and that sync, which applied the DROP, the index
+    was built for the collection as read before, a deleted one (or the old model), then found by its name
+    for ever, no DROP being left to drop it: searches answered from the deleted collection (an empty index)
+    or for the old model, until a restart. Failed before."""
+    rng = np.random.default_rng(62)
+    store.create_collection("c", MODEL, DIM, 0.5)
+    store.add_faces("c", "ann", new_faces(unit_vectors(rng, 2, DIM), tag="ann"), MODEL, create=("Ann", {}))
+    gallery = Gallery(store)  # not loaded: each index is built when first used
+    sync = gallery.sync
+
+    def raced() -> int:
+        if change == "recreated":
+            store.delete_collection("c")
+            store.create_collection("c", MODEL, DIM, 0.5)
+            store.add_faces("c", "bob", new_faces(unit_vectors(rng, 3, DIM), tag="bob"), MODEL,
+                            create=("Bob", {}))
+        else:
+            faces = sorted(store.collection_identities(store.get_collection("c").id)[0].tolist())
+            store.replace_embeddings("c", faces, unit_vectors(rng, len(faces), DIM), OTHER_MODEL, DIM, 0.5)
+        monkeypatch.setattr(gallery, "sync", sync)
+        return sync()
+
+    monkeypatch.setattr(gallery, "sync", raced)
+    gallery.face_ids("c")
+    gallery.sync()
+    info = store.get_collection("c")
+    assert gallery.collection_info("c") == info
+    assert gallery.face_ids("c") == set(store.collection_identities(info.id)[0].tolist())
+    vectors = store.collection_vectors(info.id, DIM)[2]
+    scores = [r.candidates[0].score for r in gallery.search("c", vectors, k=1)]
+    assert scores == pytest.approx([1.0] * len(vectors))
