@@ -44,8 +44,9 @@ class Admission:
 
 
 async def admit(request: Request) -> AsyncIterator[None]:
-    """Admission alone, for the compatible APIs' routes (their keys are checked inside the route);
-    the native recognition routes hold ``Admitted.slot()`` (``service.deps``) around their work."""
+    """Admission alone, for the CompreFace routes (their keys are checked inside the route); the native
+    recognition routes hold ``Admitted.slot()`` (``service.deps``) around their work, the DeepStack ones
+    ``Admission.slot()`` once their key and images passed (``service.routers.deepstack``)."""
     admission: Admission = request.app.state.admission
     with admission.slot():
         yield
