@@ -82,7 +82,8 @@ class Comparison:
 
 
 #: Called after every face_pipeline call with its latency in seconds and the faces it found.
-Observer = Callable[[float, int], None]
+#: (seconds, faces) of each face_pipeline call; faces is None for a call that failed or was cancelled.
+Observer = Callable[[float, int | None], None]
 
 
 class Recognition:
@@ -111,8 +112,13 @@ class Recognition:
 
     async def analyze(self, data: bytes, crops: bool = False, score_threshold: float | None = None) -> Faces:
         started = time.perf_counter()
-        faces = await self.pipeline.infer(data, max_faces=self.max_faces, return_crops=crops,
-                                          score_threshold=score_threshold)
+        try:
+            faces = await self.pipeline.infer(data, max_faces=self.max_faces, return_crops=crops,
+                                              score_threshold=score_threshold)
+        except BaseException:  # a failed or timed-out call is measured too (an outage looked fast)
+            if self._observe is not None:
+                self._observe(time.perf_counter() - started, None)
+            raise
         if self._observe is not None:
             self._observe(time.perf_counter() - started, len(faces))
         return faces

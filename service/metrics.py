@@ -75,10 +75,17 @@ class Metrics:
                                         registry=self.registry)
         self.faces = Histogram("facerec_faces_per_request", "faces detected per image",
                                buckets=(0, 1, 2, 3, 5, 10, 20, 50, 100), registry=self.registry)
+        self.triton_failures = Counter("facerec_triton_request_failures",
+                                       "face_pipeline gRPC calls that failed or timed out",
+                                       registry=self.registry)
 
-    def observe_pipeline(self, seconds: float, faces: int) -> None:
+    def observe_pipeline(self, seconds: float, faces: int | None) -> None:
+        """One face_pipeline call: its latency, failed or not, and its faces (None: it failed)."""
         self.triton_latency.observe(seconds)
-        self.faces.observe(faces)
+        if faces is None:
+            self.triton_failures.inc()
+        else:
+            self.faces.observe(faces)
 
     def watch_admission(self, admission: Admission) -> None:
         self.registry.register(AdmissionGauges(admission))

@@ -177,6 +177,7 @@ def test_triton_outage_and_recovery(start_api: StartApi, cpu_repository: Path, t
         assert decision(api.identify("c", "obama2.jpg")) == "obama"
 
         servers[0].stop()
+        before = samples(api)
         for response in (
             api.identify("c", "obama2.jpg"),
             api.detect("obama2.jpg"),
@@ -185,6 +186,14 @@ def test_triton_outage_and_recovery(start_api: StartApi, cpu_repository: Path, t
             api.post("/v1/verify", files=api.files("image_a", "t1.jpg") + api.files("image_b", "t1.jpg")),
         ):
             api.error(response, 503, "triton_unavailable")
+        # the failed calls are in the latency histogram and counted (they were left out: an outage looked
+        # like fewer, fast calls); no faces are counted for them
+        after = samples(api)
+        calls = "facerec_triton_request_duration_seconds_count"
+        assert sample(after, calls) == (sample(before, calls) or 0) + 6  # verify: a call per image
+        assert sample(after, "facerec_triton_request_failures_total") == 6
+        faces = "facerec_faces_per_request_count"
+        assert sample(after, faces) == sample(before, faces)
         ready = api.client.get("/health/ready")
         assert ready.status_code == 503
         body = ready.json()
