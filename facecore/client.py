@@ -275,10 +275,12 @@ class AsyncPipelineClient:
             raise PipelineError.from_rpc_error(exc) from exc
         return embedder_from_config(json_format.MessageToDict(response, preserving_proto_field_name=True))
 
-    async def ready(self) -> bool:
+    async def ready(self, timeout: float | None = None) -> bool:
+        """face_pipeline is ready in Triton; False also when Triton does not answer within ``timeout``
+        (default: the client's, an inference's)."""
         try:
             response = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=PIPELINE_MODEL),
-                                                   timeout=self._timeout)
+                                                   timeout=self._timeout if timeout is None else timeout)
         except grpc.RpcError:
             return False
         return bool(response.ready)

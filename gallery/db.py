@@ -20,7 +20,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, Executable, create_engine, event, exc, text
+from sqlalchemy import Engine, Executable, create_engine, event, exc, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -70,6 +70,10 @@ def _sqlite_begin(connection: Any) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+#: PostgreSQL: seconds a new connection may take (libpq's connect_timeout).
+CONNECT_TIMEOUT_S = 10
+
+
 def create_db_engine(url: str, **kwargs: Any) -> Engine:
     """An engine with the pragmas/pooling this project relies on."""
     if url.startswith("sqlite"):
@@ -78,7 +82,11 @@ def create_db_engine(url: str, **kwargs: Any) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+    # a server that drops packets fails a connection in seconds, not at the kernel's TCP timeout (minutes),
+    # unless the URL says otherwise
+    arguments = {} if "connect_timeout" in make_url(url).query else {"connect_timeout": CONNECT_TIMEOUT_S}
+    arguments.update(kwargs.pop("connect_args", {}))
+    return create_engine(url, pool_pre_ping=True, connect_args=arguments, **kwargs)
 
 
 def migrate(engine: Engine, revision: str = "head") -> None:

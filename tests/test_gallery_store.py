@@ -553,3 +553,39 @@ def test_reading_a_collections_vectors_holds_little_more_than_them(store: Galler
         tracemalloc.stop()
     # every row at once, then their bytes joined, then a converted copy: about three times the vectors
     assert peak < 1.5 * matrix.nbytes, (peak, matrix.nbytes)
+
+
+def test_a_postgresql_server_that_never_answers_fails_the_connection_in_seconds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """libpq waits forever by default for a server that accepted the TCP connection and says nothing (one
+    wedged, or a network dropping packets: then the kernel's timeout, minutes), holding a worker thread of
+    every readiness check; the engine now gives up after ``CONNECT_TIMEOUT_S`` (unless the URL sets one)."""
+    import socket
+
+    from sqlalchemy.exc import OperationalError
+
+    import gallery.db as db
+
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT_S", 1)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:
+        engine = create_db_engine(f"postgresql+psycopg://u@127.0.0.1:{silent.getsockname()[1]}/db")
+        try:
+            with engine.connect():
+                outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            engine.dispose()
+
+    worker = threading.Thread(target=connect, daemon=True)
+    try:
+        worker.start()
+        worker.join(timeout=20)
+    finally:
+        silent.close()
+    assert outcome and isinstance(outcome[0], OperationalError), "still connecting after 20 s"

@@ -126,3 +126,28 @@ def test_gateway_probes_at_start_up(start_api: StartApi, cpu_repository: Path) -
     check: RecognitionCheck = api.app.state.recognition
     assert check.last.ok and check.last.detail == "1 face, 128-d embedding", "probed before the first request"
     assert api.ok(api.client.get("/health/ready"))["ready"] is True
+
+
+def test_a_hung_triton_is_not_ready_within_the_probes_budget(start_api: StartApi,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton that accepts connections and never answers (wedged, stopped) made /health/ready wait an
+    inference's timeout (30 s), past every readiness probe's; now it is "not ready" within
+    ``CHECK_TIMEOUT_S``."""
+    import socket
+    import time
+
+    from service.routers import health
+
+    monkeypatch.setattr(readiness, "PROBE_TIMEOUT_S", 0.5)  # the start-up probe meets the same silence
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()  # the kernel completes the handshake; nothing is ever sent back
+    try:
+        api = start_api(triton_url=f"127.0.0.1:{hung.getsockname()[1]}", triton={"timeout_s": 60.0})
+        started = time.monotonic()
+        response = api.client.get("/health/ready")
+        waited = time.monotonic() - started
+    finally:
+        hung.close()
+    assert response.status_code == 503 and response.json()["checks"]["triton"] is False
+    assert waited < health.CHECK_TIMEOUT_S + 10 < 60, waited  # not the inference's 60 s

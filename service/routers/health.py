@@ -16,6 +16,17 @@ from service.schemas import Liveness, Readiness
 
 router = APIRouter(tags=["health"])
 
+#: How long readiness waits for Triton's and the database's answers: a hung one is "not ready" in time for
+#: the probes' 5 s (they waited an inference's 30 s, and a database that drops packets minutes).
+CHECK_TIMEOUT_S = 2.0
+
+
+async def _database_answers(store: StoreDep) -> bool:
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(store.db.ping), CHECK_TIMEOUT_S)
+    except TimeoutError:  # the thread finishes on its own (the engine's connect timeout bounds it)
+        return False
+
 
 @router.get("/health/live", response_model=Liveness, summary="The process is up")
 async def live() -> Liveness:
@@ -29,7 +40,7 @@ async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONR
     pipeline: AsyncPipelineClient = request.app.state.pipeline
     recognition: RecognitionCheck = request.app.state.recognition
     supervised: Callable[[], TritonStatus] | None = getattr(request.app.state, "triton_status", None)
-    triton, database = await asyncio.gather(pipeline.ready(), asyncio.to_thread(store.db.ping))
+    triton, database = await asyncio.gather(pipeline.ready(CHECK_TIMEOUT_S), _database_answers(store))
     if triton:
         probe = await recognition.result()
     else:  # and the next probe must not reuse a success from before the outage
