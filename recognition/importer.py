@@ -16,6 +16,8 @@ import asyncio
 import csv
 import json
 import logging
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -35,6 +37,10 @@ from recognition.errors import Refused
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+#: The API's rule for an external id (``service.schemas.ExternalId``): 1..256 characters, no "/", not
+#: starting with whitespace.
+EXTERNAL_ID = re.compile(r"[^/\s][^/]*")
+EXTERNAL_ID_MAX = 256
 
 
 class Status(StrEnum):
@@ -45,7 +51,10 @@ class Status(StrEnum):
     LOW_QUALITY = "low_quality"
     UNREADABLE = "unreadable"
     DUPLICATE = "duplicate"
-    FAILED = "failed"  # Triton or the database failed; nothing of this identity was written
+    #: Triton, the API or the database failed for this file: it was not written. A failed analysis fails
+    #: only its file (the identity's other images are still enrolled); a failed enrollment call fails the
+    #: files of that call (all the identity's accepted files, unless earlier REST calls already stored some).
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ class ItemResult:
     faces: int = 0
     face_id: int | None = None
     face: NewFace | None = field(default=None, repr=False)
-    data: bytes = field(default=b"", repr=False)  # the image, kept until its identity is enrolled
+    data: bytes = field(default=b"", repr=False)  # the image, kept until enrolled (backends that upload it)
 
 
 @dataclass(frozen=True)
@@ -95,20 +104,42 @@ def scan_folder(root: Path) -> list[ImportItem]:
     ]
 
 
+def valid_external_id(external_id: str) -> bool:
+    """Whether the API accepts this external id (the local import applies the same rule to a manifest)."""
+    return len(external_id) <= EXTERNAL_ID_MAX and EXTERNAL_ID.fullmatch(external_id) is not None
+
+
 def read_manifest(manifest: Path) -> list[ImportItem]:
-    """CSV with a header: ``path,external_id,name`` (paths relative to the manifest's folder)."""
-    with manifest.open(newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        missing = {"path", "external_id"} - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{manifest}: missing column(s) {', '.join(sorted(missing))}")
-        items = []
-        for line, row in enumerate(reader, start=2):
-            if not row["path"] or not row["external_id"]:
-                raise ValueError(f"{manifest}:{line}: path and external_id are required")
-            path = Path(row["path"])
-            items.append(ImportItem(path if path.is_absolute() else manifest.parent / path,
-                                    row["external_id"], row.get("name") or row["external_id"]))
+    """CSV with a header: ``path,external_id,name`` (paths relative to the manifest's folder), UTF-8 with or
+    without a BOM; values are trimmed. A bad row refuses the whole manifest (``ValueError`` naming its line),
+    before anything is imported."""
+    try:
+        with manifest.open(newline="", encoding="utf-8-sig") as handle:
+            return _manifest_rows(manifest, csv.DictReader(handle))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{manifest}: not UTF-8 (byte {exc.start}): save the manifest as UTF-8") from exc
+    except csv.Error as exc:
+        raise ValueError(f"{manifest}: not a readable CSV: {exc}") from exc
+
+
+def _manifest_rows(manifest: Path, reader: csv.DictReader[str]) -> list[ImportItem]:
+    columns = [name.strip() for name in reader.fieldnames or []]
+    reader.fieldnames = columns
+    missing = {"path", "external_id"} - set(columns)
+    if missing:
+        raise ValueError(f"{manifest}: missing column(s) {', '.join(sorted(missing))}")
+    items = []
+    for row in reader:
+        line = reader.line_num
+        value = {key: (row.get(key) or "").strip() for key in ("path", "external_id", "name")}
+        if not value["path"] or not value["external_id"]:
+            raise ValueError(f"{manifest}:{line}: path and external_id are required")
+        if not valid_external_id(value["external_id"]):
+            raise ValueError(f"{manifest}:{line}: external_id {value['external_id']!r} is not valid "
+                             f"(1-{EXTERNAL_ID_MAX} characters, no '/', not starting with a space)")
+        path = Path(value["path"])
+        items.append(ImportItem(path if path.is_absolute() else manifest.parent / path,
+                                value["external_id"], value["name"] or value["external_id"]))
     return items
 
 
@@ -138,20 +169,35 @@ def classify(item: ImportItem, digest: str, faces: Faces, options: ImportOptions
 
 
 class Unreadable(Exception):
-    """The backend could not read this image (corrupt, unsupported, too many pixels)."""
+    """The backend could not read this image (corrupt, unsupported, too many pixels, too large)."""
+
+
+class PartlyEnrolled(Exception):
+    """An identity enrolled in several calls failed after the first ``face_ids`` (of its first files) were
+    stored; ``__cause__`` is the failure."""
+
+    def __init__(self, face_ids: list[int], reason: Exception) -> None:
+        super().__init__(str(reason))
+        self.face_ids = face_ids
 
 
 class Backend(Protocol):
-    """Where faces are found and stored: Triton and the database, or a deployed stack's REST API."""
+    """Where faces are found and stored: Triton and the database, or a deployed stack's REST API.
+    ``uploads_images``: ``enroll`` sends the image bytes again (else only the analysed face is kept)."""
+
+    uploads_images: bool
 
     async def known_hashes(self) -> set[str]: ...
 
     async def analyze(self, data: bytes) -> Faces: ...  # Unreadable for a bad image
 
-    async def enroll(self, accepted: list[ItemResult]) -> list[int]: ...  # face ids; all or nothing
+    #: Face ids, in order; all or nothing per call (``PartlyEnrolled`` when an earlier call was stored).
+    async def enroll(self, accepted: list[ItemResult]) -> list[int]: ...
 
 
 class LocalBackend:
+    uploads_images = False
+
     def __init__(self, store: GalleryStore, client: AsyncPipeline, options: ImportOptions) -> None:
         self.store, self.client, self.options = store, client, options
 
@@ -188,6 +234,9 @@ class Importer:
 
     async def _process(self, item: ImportItem, progress: tqdm) -> ItemResult:
         try:
+            if not _utf8(item.external_id) or not _utf8(item.name):
+                return ItemResult(item, Status.UNREADABLE, "the identity's folder name is not valid UTF-8 "
+                                  "(rename the folder)")
             try:
                 data = await asyncio.to_thread(item.path.read_bytes)
             except OSError as exc:
@@ -202,9 +251,12 @@ class Importer:
                 except Unreadable as exc:
                     return ItemResult(item, Status.UNREADABLE, str(exc), digest)
                 except Exception as exc:  # Triton or the API failed: this file is reported, the rest goes on
-                    return ItemResult(item, Status.FAILED, str(exc), digest)
+                    return ItemResult(item, Status.FAILED, f"analysis failed: {exc}", digest)
             result = classify(item, digest, faces, self.options)
-            result.data = data if result.status is Status.READY else b""
+            keep = result.status is Status.READY and self.backend.uploads_images and not self.options.dry_run
+            result.data = data if keep else b""
+            if self.options.dry_run:
+                result.face = None
             return result
         finally:
             progress.update(1)
@@ -217,22 +269,30 @@ class Importer:
         try:
             face_ids = await self.backend.enroll(accepted)
         except Exception as exc:  # a database or API failure: report these files, keep importing the rest
-            log.error("identity %s not enrolled: %s", accepted[0].item.external_id, exc)
-            for result in accepted:
+            face_ids = exc.face_ids if isinstance(exc, PartlyEnrolled) else []
+            log.error("identity %s: %d of %d files not enrolled: %s", accepted[0].item.external_id,
+                      len(accepted) - len(face_ids), len(accepted), exc)
+            for result in accepted[len(face_ids):]:
                 result.status, result.detail = Status.FAILED, f"enrollment failed: {exc}"
-            return
+            accepted = accepted[:len(face_ids)]
         finally:
             for result in accepted:
                 result.data, result.face = b"", None
         for result, face_id in zip(accepted, face_ids, strict=True):
             result.status, result.face_id = Status.IMPORTED, face_id
 
-    async def _identity(self, items: list[ImportItem], progress: tqdm) -> list[ItemResult]:
+    async def _identity(self, items: list[ImportItem], progress: tqdm,
+                        done: list[ItemResult]) -> list[ItemResult]:
         results = list(await asyncio.gather(*(self._process(item, progress) for item in items)))
         await self._enroll(results)
+        done += results
         return results
 
-    async def run(self, items: Iterable[ImportItem], show_progress: bool = True) -> list[ItemResult]:
+    async def run(self, items: Iterable[ImportItem], show_progress: bool = True,
+                  done: list[ItemResult] | None = None) -> list[ItemResult]:
+        """Import ``items``; ``done`` receives each identity's results as it finishes (what is known when the
+        import is interrupted)."""
+        done = [] if done is None else done
         items = list(items)
         self._seen = await self.backend.known_hashes()
         groups: dict[str, list[ImportItem]] = {}
@@ -242,22 +302,43 @@ class Importer:
 
         async def bounded(group: list[ImportItem]) -> list[ItemResult]:
             async with in_flight:
-                return await self._identity(group, progress)
+                return await self._identity(group, progress, done)
 
         with tqdm(total=len(items), unit="image", disable=not show_progress) as progress:
             nested = await asyncio.gather(*(bounded(group) for group in groups.values()))
         return [result for group in nested for result in group]
 
 
+def _utf8(text: str) -> bool:
+    """False for a name read from a file system that is not UTF-8 (Python keeps its bytes as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_report_path(path: Path) -> None:
+    """Refuse a report that could not be written, before the import starts (``ValueError``)."""
+    if path.is_dir():
+        raise ValueError(f"--report {path}: is a folder")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"--report {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--report {path}: not writable")
+
+
 def write_report(results: list[ItemResult], path: Path) -> None:
-    """Per-file report as CSV, or JSON when the path ends in .json."""
+    """Per-file report as CSV, or JSON when the path ends in .json. A name that is not valid UTF-8 is
+    written with its undecodable bytes escaped (``\\udcNN``)."""
     rows = [{"path": str(r.item.path), "external_id": r.item.external_id, "name": r.item.name,
              "status": r.status.value, "detail": r.detail, "faces": r.faces, "face_id": r.face_id,
              "sha256": r.sha256} for r in results]
     if path.suffix.lower() == ".json":
         path.write_text(json.dumps(rows, indent=2))
         return
-    with path.open("w", newline="", encoding="utf-8") as handle:
+    with path.open("w", newline="", encoding="utf-8", errors="backslashreplace") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["path", "status"])
         writer.writeheader()
         writer.writerows(rows)

@@ -3,10 +3,14 @@ a ``Backend`` for ``recognition.importer.Importer`` that needs only the API and 
 port nor the database.
 
 Each image is analysed with ``POST /v1/detect`` and classified by the same enrollment rules as the local
-import (so the report has the same statuses); an identity's accepted images are then enrolled in one
-``POST .../identities/{id}/faces?create=true`` call (all or nothing; an identity with more images than
-the server's ``max_batch_images`` is enrolled in calls of that many). Resume: the sha256 of every face
-already in the collection is read from the API first. The server applies its own quality gate.
+import (so the report has the same statuses); an identity's accepted images are then enrolled with
+``POST .../identities/{id}/faces?create=true``, all or nothing per call. The API does not publish its
+limits, so the settings' ``limits`` (FACEREC_LIMITS__*, the gateway's defaults) size the calls: at most
+``max_batch_images`` images and ``max_upload_bytes`` of body each. An identity that needs several calls
+can end partly enrolled (the files of the calls made before a failure are reported ``imported``, the
+rest ``failed``; a rerun resumes). A file whose upload alone is over ``max_upload_bytes`` is reported
+``unreadable`` without being sent. Resume: the sha256 of every face already in the collection is read
+from the API first. The server applies its own quality gate.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import httpx
 import numpy as np
 
 from facecore.contract import Faces
-from recognition.importer import ImportOptions, ItemResult, Unreadable
+from recognition.importer import ImportOptions, ItemResult, PartlyEnrolled, Unreadable
 
 #: Responses that mean "this image cannot be read" (the local import's ``unreadable``).
 _UNREADABLE = {"invalid_image", "unsupported_media_type", "too_many_pixels", "payload_too_large"}
 _MEDIA = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp",
           ".bmp": "image/bmp"}
+#: What multipart adds to a body, per part (boundary, headers with the file name) and in all.
+_PART_OVERHEAD = 512
+_BODY_OVERHEAD = 1024
 
 
 class ApiFailure(Exception):
@@ -59,9 +66,31 @@ def faces_from_detect(body: dict[str, Any]) -> Faces:
         crops=np.zeros((0, 112, 112, 3), np.uint8), width=int(body["width"]), height=int(body["height"]))
 
 
+def upload_size(data: bytes) -> int:
+    """What one image adds to a multipart body (an upper bound)."""
+    return len(data) + _PART_OVERHEAD
+
+
+def batches(accepted: list[ItemResult], max_images: int, max_bytes: int) -> list[list[ItemResult]]:
+    """``accepted`` in order, cut into calls of at most ``max_images`` images and ``max_bytes`` of body."""
+    calls: list[list[ItemResult]] = []
+    size = 0
+    for result in accepted:
+        part = upload_size(result.data)
+        if not calls or len(calls[-1]) >= max_images or size + part > max_bytes:
+            calls.append([])
+            size = _BODY_OVERHEAD
+        calls[-1].append(result)
+        size += part
+    return calls
+
+
 class RestBackend:
+    uploads_images = True
+
     def __init__(self, base_url: str, key: str, options: ImportOptions, timeout_s: float = 60.0) -> None:
         self.options, self.batch = options, options.limits.max_batch_images
+        self.max_bytes = options.limits.max_upload_bytes
         self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers={"X-API-Key": key},
                                         timeout=timeout_s)
         self.path = f"/v1/collections/{quote(options.collection, safe='')}"
@@ -103,6 +132,9 @@ class RestBackend:
         return {h for found in await asyncio.gather(*(hashes(i) for i in identities)) for h in found}
 
     async def analyze(self, data: bytes) -> Faces:
+        if upload_size(data) + _BODY_OVERHEAD > self.max_bytes:
+            raise Unreadable(f"file too large: {len(data)} bytes, over the upload limit of {self.max_bytes} "
+                             "bytes (FACEREC_LIMITS__MAX_UPLOAD_BYTES)")
         response = await self.client.post("/v1/detect", files={"image": ("image", data)})
         if response.status_code < 300:
             return faces_from_detect(response.json())
@@ -117,12 +149,22 @@ class RestBackend:
         params = {"create": "true", "name": item.name,
                   "face": "largest" if self.options.largest_face else "only"}
         ids: list[int] = []
-        for start in range(0, len(accepted), self.batch):
-            files = [("images", (r.item.path.name, r.data, _MEDIA.get(r.item.path.suffix.lower(),
-                                                                       "application/octet-stream")))
-                     for r in accepted[start:start + self.batch]]
-            response = await self.client.post(url, params=params, files=files)
-            if response.status_code >= 300:
-                raise _error(response)
+        for call in batches(accepted, self.batch, self.max_bytes):
+            files = [("images", (_filename(r), r.data, _MEDIA.get(r.item.path.suffix.lower(),
+                                                                  "application/octet-stream")))
+                     for r in call]
+            try:
+                response = await self.client.post(url, params=params, files=files)
+                if response.status_code >= 300:
+                    raise _error(response)
+            except Exception as exc:
+                if ids:
+                    raise PartlyEnrolled(ids, exc) from exc
+                raise
             ids += [face["id"] for face in response.json()["faces"]]
         return ids
+
+
+def _filename(result: ItemResult) -> str:
+    """The part's file name (a name that is not valid UTF-8 is sent escaped)."""
+    return result.item.path.name.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -6,6 +6,7 @@ import asyncio
 import csv
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import replace
@@ -15,13 +16,23 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from facecore.client import AsyncPipelineClient, PipelineClient
+from facecore.client import AsyncPipelineClient, PipelineClient, PipelineError
 from gallery.__main__ import main as gallery_main
+from gallery.__main__ import parser as gallery_parser
 from gallery.errors import CropsMissing, ModelMismatch
 from gallery.gallery import Gallery
 from gallery.reembed import reembed_collection
 from gallery.store import GalleryStore
-from recognition.importer import Importer, ImportOptions, Status, read_manifest, scan_folder
+from recognition.importer import (
+    Importer,
+    ImportOptions,
+    ItemResult,
+    LocalBackend,
+    Status,
+    read_manifest,
+    scan_folder,
+    write_report,
+)
 from service.launcher import TritonServer
 
 pytestmark = pytest.mark.triton
@@ -196,3 +207,143 @@ def test_reembed_refuses_without_crops(store: GalleryStore, triton: TritonServer
     client = PipelineClient(triton.grpc_url)
     with pytest.raises(CropsMissing, match="no stored crop"):
         reembed_collection(store, "people", client, client.embedder())
+
+
+def cli_import(store: GalleryStore, *args: str) -> int:
+    return gallery_main(["--database-url", str(store.db.engine.url), "import", "--collection", "people", "-q",
+                         *args])
+
+
+def identities(store: GalleryStore) -> set[str]:
+    with store.db.read() as session:
+        return set(session.execute(text("SELECT external_id FROM identities")).scalars())
+
+
+def test_cli_errors_are_one_line_exit_2(store: GalleryStore, triton: TritonServer, folder: Path,
+                                        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Triton down, a folder as manifest, a malformed CSV, a report that cannot be written: exit 2 with one
+    logged line, before anything is imported."""
+    big = tmp_path / "big.csv"
+    big.write_text("path,external_id\n" + "x" * (csv.field_size_limit() + 1) + ",p-1\n")
+    cases = {
+        "Triton at 127.0.0.1:1": ["--folder", str(folder), "--url", "127.0.0.1:1", "--create-collection"],
+        "Is a directory": ["--manifest", str(tmp_path), "--url", triton.grpc_url],
+        "not a readable CSV": ["--manifest", str(big), "--url", triton.grpc_url],
+        "no folder": ["--folder", str(folder), "--url", triton.grpc_url, "--create-collection",
+                      "--report", str(tmp_path / "missing" / "report.csv")],
+    }
+    for message, args in cases.items():
+        caplog.clear()
+        assert cli_import(store, *args) == 2, message
+        assert message in caplog.text and len(caplog.records) == 1, caplog.text
+    assert identities(store) == set()  # the unwritable report was refused before the import
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "65", "many"])
+def test_concurrency_out_of_range_is_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        gallery_parser().parse_args(["import", "--collection", "x", "--folder", ".", "--concurrency", value])
+    assert exited.value.code == 2 and "--concurrency" in capsys.readouterr().err
+
+
+def test_model_mismatch_is_refused_before_the_import(store: GalleryStore, triton: TritonServer,
+                                                     folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store.create_collection("people", "other_model", 128, 0.3)
+    assert cli_import(store, "--folder", str(folder), "--url", triton.grpc_url) == 2
+    assert "other_model" in caplog.text and "Triton serves" in caplog.text
+    assert identities(store) == set()
+
+
+def test_ctrl_c_writes_a_partial_report(store: GalleryStore, triton: TritonServer, folder: Path,
+                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    enroll = LocalBackend.enroll
+
+    async def interrupted(backend: LocalBackend, accepted: list[ItemResult]) -> list[int]:
+        if accepted[0].item.external_id == "obama":
+            raise KeyboardInterrupt
+        return await enroll(backend, accepted)
+
+    monkeypatch.setattr(LocalBackend, "enroll", interrupted)
+    report = tmp_path / "report.csv"
+    try:
+        code = cli_import(store, "--folder", str(folder), "--url", triton.grpc_url, "--create-collection",
+                          "--report", str(report))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended the import with a traceback")
+    assert code == 130 and "interrupted" in caplog.text
+    with report.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["external_id"] for row in rows} <= {"biden", "group", "empty"}
+    assert {row["external_id"] for row in rows if row["status"] == "imported"} == identities(store)
+
+
+def test_manifest_bom_spaces_and_invalid_rows(tmp_path: Path) -> None:
+    manifest = tmp_path / "people.csv"
+    manifest.write_bytes("\ufeffpath, external_id ,name\r\n a.jpg , e1 , Ada \r\nb.jpg,e2,\r\n".encode())
+    items = read_manifest(manifest)
+    assert [(i.path, i.external_id, i.name) for i in items] == [(tmp_path / "a.jpg", "e1", "Ada"),
+                                                               (tmp_path / "b.jpg", "e2", "e2")]
+    for bad in ("a/b", "x" * 257):
+        manifest.write_text(f"path,external_id\nok.jpg,fine\nc.jpg,{bad}\n")
+        with pytest.raises(ValueError, match=r"people\.csv:3: external_id .* is not valid"):
+            read_manifest(manifest)
+    manifest.write_bytes(b"path,external_id\nc.jpg,Jos\xe9\n")
+    with pytest.raises(ValueError, match=r"people\.csv: not UTF-8"):
+        read_manifest(manifest)
+
+
+def test_a_failed_analysis_fails_only_its_file(store: GalleryStore, triton: TritonServer, folder: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The identity's other images are enrolled; the file says why it was not."""
+    create_people(store, triton)
+    broken = (folder / "obama" / "obama2.jpg").read_bytes()
+    infer = AsyncPipelineClient.infer
+
+    async def flaky(client: AsyncPipelineClient, data: bytes, **kwargs: object) -> object:
+        if data == broken:
+            raise PipelineError("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED")
+        return await infer(client, data, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AsyncPipelineClient, "infer", flaky)
+    results = {r.item.path.name: r for r in run_import(store, triton, scan_folder(folder))}
+    assert {n: results[n].status.value for n in ("obama.jpg", "obama2.jpg", "obama3.jpg")} == {
+        "obama.jpg": "imported", "obama2.jpg": "failed", "obama3.jpg": "imported"}
+    assert results["obama2.jpg"].detail == "analysis failed: Deadline Exceeded"
+    assert len(store.list_faces("people", "obama")) == 2
+
+
+def test_images_are_not_kept_once_analysed(store: GalleryStore, triton: TritonServer, folder: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local backend enrolls the analysed face, not the file; a dry run keeps neither."""
+    create_people(store, triton)
+    results = run_import(store, triton, scan_folder(folder), dry_run=True)
+    ready = [r for r in results if r.status is Status.READY]
+    assert len(ready) == 4 and all(r.face is None and r.data == b"" for r in ready)
+    enroll = LocalBackend.enroll
+    kept: list[int] = []
+
+    async def recording(backend: LocalBackend, accepted: list[ItemResult]) -> list[int]:
+        kept.extend(len(r.data) for r in accepted)
+        return await enroll(backend, accepted)
+
+    monkeypatch.setattr(LocalBackend, "enroll", recording)
+    run_import(store, triton, scan_folder(folder))
+    assert kept == [0, 0, 0, 0]
+
+
+def test_names_that_are_not_utf8(store: GalleryStore, triton: TritonServer, folder: Path, tmp_path: Path,
+                                 photos: dict[str, Path]) -> None:
+    """A folder (identity) name that is not UTF-8 is reported per file; a file name is imported; the report
+    escapes both."""
+    create_people(store, triton)
+    bad_folder = Path(os.fsdecode(bytes(folder) + b"/caf\xe9"))
+    bad_folder.mkdir()
+    shutil.copy(photos["astronaut.png"], bad_folder / "astronaut.png")
+    shutil.move(folder / "obama" / "obama.jpg", Path(os.fsdecode(bytes(folder) + b"/obama/\xff.jpg")))
+    results = run_import(store, triton, scan_folder(folder))
+    (odd,) = [r for r in results if r.item.path.name == "astronaut.png"]
+    assert odd.status is Status.UNREADABLE and "not valid UTF-8" in odd.detail
+    assert len(store.list_faces("people", "obama")) == 3
+    write_report(results, tmp_path / "report.csv")
+    assert "\\udcff.jpg" in (tmp_path / "report.csv").read_text()

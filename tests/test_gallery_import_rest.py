@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,9 +43,11 @@ def folder(tmp_path: Path, photos: dict[str, Path]) -> Path:
     return root
 
 
-def gallery_import(live: Live, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+def gallery_import(live: Live, key: str, *args: str,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "gallery", "import", "--api", live.base, "--key", key, *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, **(env or {})})
 
 
 def report(path: Path) -> dict[str, str]:
@@ -91,8 +94,8 @@ def manifest(tmp_path: Path, photos: dict[str, Path]) -> Path:
 
 
 def test_an_identity_is_all_or_nothing(live_api: StartLive, folder: Path, tmp_path: Path) -> None:
-    """The server's own quality gate refuses obama3.jpg at enrollment: obama is not half enrolled."""
-    live = live_api(quality={"min_face_size": 300})  # obama3's face is smaller; the client's gate is 40
+    """The server's own quality gate refuses obama's faces at enrollment: obama is not half enrolled."""
+    live = live_api(quality={"min_face_size": 300})  # obama's faces are 229-274 px; the client's gate is 40
     result = gallery_import(live, live.admin_key, "--collection", "staff", "--folder", str(folder),
                             "--create-collection", "-q", "--report", str(tmp_path / "r.json"))
     assert result.returncode == 1  # failed files
@@ -114,3 +117,43 @@ def test_bad_key_and_missing_collection(live_api: StartLive, folder: Path) -> No
                              "x", "--folder", str(folder)], cwd=ROOT, capture_output=True, text=True,
                             timeout=60, check=False)
     assert no_key.returncode == 2 and "--key" in no_key.stderr
+
+
+def test_api_down_is_one_line_exit_2(folder: Path) -> None:
+    down = subprocess.run([sys.executable, "-m", "gallery", "import", "--api", "http://127.0.0.1:1", "--key",
+                           "frk_any", "--collection", "staff", "--folder", str(folder), "-q"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert down.returncode == 2 and "cannot reach the API" in down.stderr, down.stderr
+    assert "Traceback" not in down.stderr
+
+
+def test_enroll_calls_fit_the_upload_limit(live_api: StartLive, folder: Path, tmp_path: Path,
+                                          photos: dict[str, Path]) -> None:
+    """The three obama photos (1.06 MB) need two calls under a 700 kB body limit; a file over the limit is
+    reported as such, not sent."""
+    live = live_api(limits={"max_upload_bytes": 700_000})
+    (folder / "huge").mkdir()
+    (folder / "huge" / "huge.jpg").write_bytes(photos["biden.jpg"].read_bytes() + bytes(400_000))
+    result = gallery_import(live, live.admin_key, "--collection", "staff", "--folder", str(folder),
+                            "--create-collection", "-q", "--report", str(tmp_path / "r.json"),
+                            env={"FACEREC_LIMITS__MAX_UPLOAD_BYTES": "700000"})
+    rows = {Path(r["path"]).name: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert {name: rows[name]["status"] for name in EXPECTED} == EXPECTED, result.stderr
+    assert rows["huge.jpg"]["status"] == "unreadable" and "file too large" in rows["huge.jpg"]["detail"]
+    assert result.returncode == 0, result.stderr
+    assert len(live.admin("GET", "/v1/collections/staff/identities/obama/faces")) == 3
+
+
+def test_a_failed_second_call_fails_only_its_files(live_api: StartLive, folder: Path, tmp_path: Path) -> None:
+    """Two images per call: obama2.jpg and obama3.jpg (faces of 265 and 274 px) are stored by the first call,
+    the server's gate refuses obama9.jpg (229 px) in the second; the report says which were written."""
+    (folder / "obama" / "obama.jpg").rename(folder / "obama" / "obama9.jpg")
+    live = live_api(quality={"min_face_size": 250})
+    result = gallery_import(live, live.admin_key, "--collection", "staff", "--folder", str(folder),
+                            "--create-collection", "-q", "--report", str(tmp_path / "r.csv"),
+                            env={"FACEREC_LIMITS__MAX_BATCH_IMAGES": "2"})
+    assert result.returncode == 1, result.stderr
+    statuses = report(tmp_path / "r.csv")
+    assert {n: statuses[n] for n in ("obama2.jpg", "obama3.jpg", "obama9.jpg")} == {
+        "obama2.jpg": "imported", "obama3.jpg": "imported", "obama9.jpg": "failed"}
+    assert len(live.admin("GET", "/v1/collections/staff/identities/obama/faces")) == 2
