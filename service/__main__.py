@@ -40,7 +40,8 @@ def admin_key(path: Path) -> str | None:
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    """uvicorn re-raises the signal after its graceful shutdown: unwind so Triton is stopped too."""
+    """uvicorn re-raises SIGTERM after its graceful shutdown (SIGHUP it leaves to us): unwind so Triton is
+    stopped too."""
     raise SystemExit(0)
 
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.app import create_app
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGHUP, _exit_on_sigterm)  # a closed terminal: stop Triton too, as for SIGTERM
     with ExitStack() as stack:
         supervisor = None
         if args.triton_url is None:

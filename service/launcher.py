@@ -4,6 +4,9 @@ The wheel carries a complete tritonserver 2.51 with the Python backend only. Thi
 what the binary needs (the Python-backend stub for this interpreter, the virtualenv first on PATH so
 the stub finds numpy, libpython on LD_LIBRARY_PATH), binds to 127.0.0.1 (``--host`` to change) and
 uses a per-run shared-memory prefix so that stopping it removes exactly its own ``/dev/shm`` files.
+It refuses to start when its ports are taken (a server already answering there would pass for it), and
+on Linux the server gets SIGTERM when the thread that started it ends (``parent_death_signal``), so a
+gateway killed without unwinding (SIGKILL, the OOM killer) does not leave it behind holding the ports.
 
     python -m service.launcher --model-repository model_repository/cpu
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -21,10 +26,12 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +39,8 @@ from types import TracebackType
 log = logging.getLogger(__name__)
 
 DEFAULT_MODELS = ("face_detector", "face_embedder", "face_pipeline")
+#: prctl(2) option: the signal a process gets when its parent (the thread that forked it) ends.
+PR_SET_PDEATHSIG = 1
 
 
 class TritonStartError(RuntimeError):
@@ -56,6 +65,52 @@ class TritonPorts:
             for s in sockets:
                 s.close()
         return cls(http, grpc, metrics)
+
+    def taken(self, host: str) -> list[tuple[str, int]]:
+        """The ``(name, port)`` of these ports that cannot be bound on ``host`` now (something listens)."""
+        named = (("HTTP", self.http), ("gRPC", self.grpc), ("metrics", self.metrics))
+        return [(name, port) for name, port in named if port_taken(host, port)]
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether binding ``host:port`` fails as tritonserver's bind would (SO_REUSEADDR: the TIME_WAIT
+    connections of a previous run are no obstacle, a listener is)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up before a fork (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    return prctl
+
+
+def parent_death_signal(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child get ``signum`` when the thread that forks it ends (Linux's
+    PR_SET_PDEATHSIG; None elsewhere). It is the thread, not the process: start servers from a thread
+    that outlives them (the main thread, or the supervisor's watcher, which ends only when the supervisor
+    stops). SIGTERM rather than SIGKILL: tritonserver then shuts down cleanly (stops its stubs, removes
+    its /dev/shm regions), and a watcher thread that ends during ``Supervisor.stop`` only begins the
+    shutdown that ``stop`` then waits for."""
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:  # in the forked child: no locks, no allocation to speak of
+        prctl(PR_SET_PDEATHSIG, signum)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would send the signal
+            os.kill(os.getpid(), signum)
+
+    return preexec
 
 
 def http_status(url: str, timeout: float = 2.0) -> int:
@@ -174,10 +229,19 @@ class TritonServer:
             args += [f"--load-model={name}" for name in self.models]
         return [*args, *self.extra_args]
 
-    def start(self, timeout: float = 120.0) -> TritonServer:
+    def start(self, timeout: float = 120.0, stop: threading.Event | None = None) -> TritonServer:
+        """Start it and wait until it is ready; ``stop`` being set cancels the wait (and stops it)."""
         if not self.model_repository.is_dir():
             raise TritonStartError(
                 f"no model repository at {self.model_repository}: run `python -m export defaults`"
+            )
+        taken = self.ports.taken(self.host)
+        if taken:
+            ports = ", ".join(f"{name} port {port}" for name, port in taken)
+            raise TritonStartError(
+                f"{ports} on {self.host} already in use (another tritonserver?): stop what listens there, "
+                "choose free ports (--triton-ports HTTP GRPC METRICS) or use the running Triton "
+                "(--triton-url)"
             )
         install_stub(bundled_server_dir())
         if self.log_file:
@@ -188,10 +252,11 @@ class TritonServer:
         self._process = subprocess.Popen(
             self.command(), env=server_environment(), stdout=output,
             stderr=subprocess.STDOUT if output else None, start_new_session=True,
+            preexec_fn=parent_death_signal(),  # not left behind by a gateway killed without unwinding
         )
         self._pgid = self._process.pid  # its own session: the stubs it starts are in this group
         try:
-            self.wait_ready(timeout)
+            self.wait_ready(timeout, stop)
         except BaseException:
             self.stop()
             raise
@@ -219,19 +284,26 @@ class TritonServer:
     def metrics_up(self) -> bool:
         return http_status(f"http://127.0.0.1:{self.ports.metrics}/metrics") == 200
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Until the server is live, every model ready and the metrics endpoint answering (Triton starts
-        its metrics service after the HTTP one: a scrape right after the models were ready was refused)."""
+        its metrics service after the HTTP one: a scrape right after the models were ready was refused),
+        with its process still running then (else another server answered); ``stop`` cancels."""
         deadline = time.monotonic() + timeout
+        stop = stop or threading.Event()
         while time.monotonic() < deadline:
-            if self._process is not None and self._process.poll() is not None:
-                raise TritonStartError(f"tritonserver exited with code {self._process.returncode}")
+            self._raise_if_exited()
             live = self._get("/v2/health/live") == 200
             if live and all(self.models_ready().values()) and self.metrics_up():
+                self._raise_if_exited()
                 log.info("tritonserver ready: %s", ", ".join(self.models))
                 return
-            time.sleep(0.25)
+            if stop.wait(0.25):
+                raise TritonStartError("start cancelled: stopping")
         raise TritonStartError(f"models not ready after {timeout:.0f} s: {json.dumps(self.models_ready())}")
+
+    def _raise_if_exited(self) -> None:
+        if self._process is not None and self._process.poll() is not None:
+            raise TritonStartError(f"tritonserver exited with code {self._process.returncode}")
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM, wait, SIGKILL if needed; then what is left of this run (``reap``)."""

@@ -6,7 +6,11 @@ killed, and its own /dev/shm regions are removed), then a new run starts on the 
 shared-memory prefix, after a backoff that grows with each failed attempt (1, 2, 4, 8, 15, 30 s) and is
 reset once a run stays up. Each step is logged, and ``status()`` says what is going on, for
 ``/health/ready`` (while Triton is down, requests get 503 with Retry-After from the gateway's error
-handler, which is what a client should see during a restart).
+handler, which is what a client should see during a restart). ``stop()`` during a restart cancels the
+run being started (its wait for readiness watches the same stop event) instead of waiting it out.
+
+Restarts are started from the watcher thread, which lives until ``stop()``: a run dies with the thread
+that started it (``launcher.parent_death_signal``), so they must not come from a short-lived thread.
 """
 
 from __future__ import annotations
@@ -101,8 +105,10 @@ class Supervisor:
             run = replace(self.template, shm_prefix=f"facerec_{uuid.uuid4().hex[:8]}_")
             self._status = TritonStatus(False, f"tritonserver {why}; restart attempt {attempts} starting")
             try:
-                self.server = run.start(self.start_timeout_s)
+                self.server = run.start(self.start_timeout_s, self._stop)
             except TritonStartError as exc:
+                if self._stop.is_set():  # cancelled: run.start stopped what it had started
+                    break
                 dead, why = run, f"failed to restart ({exc})"
                 continue
             self.restarts += 1

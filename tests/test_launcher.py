@@ -15,6 +15,7 @@ import pytest
 
 from service.launcher import TritonPorts, TritonServer, TritonStartError, http_status, stop_process
 from tests.conftest import ROOT, free_ports
+from tests.test_supervisor import alive, wait_for
 
 pytestmark = pytest.mark.triton
 
@@ -135,3 +136,79 @@ def test_http_status_reports_what_answers(triton: TritonServer) -> None:
     assert http_status(f"{triton.http_url}/v2/health/ready") == 200
     assert http_status(f"{triton.http_url}/v2/models/no_such_model/ready") == 400
     assert http_status(f"http://127.0.0.1:{TritonPorts.free().http}/") == 0
+
+
+def test_a_taken_port_is_refused_before_starting(tmp_path: Path) -> None:
+    """Something listening on one of the ports (a leftover tritonserver, an NGC one) would answer the
+    readiness checks for a run that cannot bind and exits: the start is refused, naming the port."""
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    ports = TritonPorts.free()
+    server = TritonServer(repository, ports, log_file=tmp_path / "log")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", ports.metrics))
+        holder.listen()
+        began = time.monotonic()
+        busy = rf"metrics port {ports.metrics} .*--triton-ports.*--triton-url"
+        with pytest.raises(TritonStartError, match=busy):
+            server.start(timeout=10)
+    assert time.monotonic() - began < 2 and server.exit_code() is None, "nothing was started"
+
+
+def test_ready_requires_the_run_still_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answers that came while the run's own process exited were another server's: not ready."""
+    import service.launcher as launcher
+
+    process = subprocess.Popen(["sleep", "0.3"])
+
+    def status(url: str, timeout: float = 2.0) -> int:
+        process.wait()  # the run gave up (its bind failed) while the other server answered 200
+        return 200
+
+    monkeypatch.setattr(launcher, "http_status", status)
+    server = TritonServer(tmp_path, TritonPorts(1, 2, 3))
+    server._process = process
+    with pytest.raises(TritonStartError, match="exited with code 0"):
+        server.wait_ready(timeout=5)
+
+
+PARENT = """
+import sys, threading, time
+from pathlib import Path
+from service.launcher import TritonPorts, TritonServer
+
+pid = sys.argv[2]
+
+class StandIn(TritonServer):  # never ready: the parent waits for it until it is killed
+    def command(self) -> list[str]:
+        return ["sh", "-c", f"echo $$ > {pid}.tmp && mv {pid}.tmp {pid}; exec sleep 60"]
+
+server = StandIn(Path(sys.argv[1]), TritonPorts.free())
+if sys.argv[3] == "thread":  # as the supervisor's watcher restarts it, while other threads come and go
+    threading.Thread(target=server.start, args=(60,)).start()
+    threading.Thread(target=time.sleep, args=(0.1,)).start()
+    time.sleep(60)
+else:
+    server.start(60)
+"""
+
+
+@pytest.mark.parametrize("starter", ["main", "thread"])
+def test_the_server_dies_with_a_killed_parent(tmp_path: Path, starter: str) -> None:
+    """A gateway killed without unwinding (SIGKILL, the OOM killer) does not leave its server running."""
+    pid_file = tmp_path / "pid"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), str(pid_file), starter], cwd=ROOT)
+    child = 0
+    try:
+        wait_for(pid_file.exists, 30, "the stand-in server starts")
+        child = int(pid_file.read_text())
+        time.sleep(1.0)
+        assert alive(child), "it runs while the thread that started it runs"
+        parent.kill()
+        parent.wait()
+        wait_for(lambda: not alive(child), 5, "the server dies with its parent")
+    finally:
+        parent.kill()
+        parent.wait()
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)

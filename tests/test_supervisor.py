@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -192,7 +193,7 @@ class SleepingServer:
     shm_prefix: str = "facerec_test_"
     process: subprocess.Popen[bytes] | None = None
 
-    def start(self, _timeout: float) -> SleepingServer:
+    def start(self, _timeout: float, _stop: threading.Event | None = None) -> SleepingServer:
         return replace(self, process=subprocess.Popen(["sleep", "60"]))
 
     def exit_code(self) -> int | None:
@@ -230,3 +231,38 @@ def test_the_watch_of_a_running_server_sleeps_between_looks() -> None:
         assert waited < 2 * WATCH_S + 0.5 and "exited with code -9" in supervisor.status().detail
     finally:
         supervisor.stop()
+
+
+@dataclass
+class NeverReadyServer(TritonServer):
+    """A TritonServer whose process (``sleep``) never becomes ready; each run writes its pid to pid_file."""
+
+    pid_file: Path = Path("/nonexistent")
+
+    def command(self) -> list[str]:
+        return ["sh", "-c", f"echo $$ > {self.pid_file}.tmp && mv {self.pid_file}.tmp {self.pid_file}; "
+                "exec sleep 60"]
+
+
+def test_stop_during_a_restart_cancels_it(tmp_path: Path) -> None:
+    """SIGTERM while a restarted run loads its models: stop() returns at once, and that run is stopped
+    (it waited out the start timeout, and a run that outlived the join was left running)."""
+    supervisor = Supervisor(SleepingServer(), steps=(0.1,), start_timeout_s=20).start()  # type: ignore[arg-type]
+    pid_file = tmp_path / "pid"
+    supervisor.template = NeverReadyServer(tmp_path, TritonPorts.free(), pid_file=pid_file)
+    pid = 0
+    try:
+        assert supervisor.server is not None and supervisor.server.process is not None
+        supervisor.server.process.kill()
+        wait_for(pid_file.exists, 10, "a restart starts a run")
+        pid = int(pid_file.read_text())
+        assert alive(pid) and "restart attempt 1 starting" in supervisor.status().detail
+        began = time.monotonic()
+        supervisor.stop()
+        took = time.monotonic() - began
+    finally:
+        supervisor.stop()
+        if pid and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert took < 5, f"stop() took {took:.1f} s"
+    assert not alive(pid), "the half-started run is stopped"
