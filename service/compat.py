@@ -15,12 +15,13 @@ from facecore.client import PipelineError
 from gallery.errors import GalleryError
 from recognition.errors import Refused
 from service.errors import _GALLERY_STATUS, ApiError, pipeline_error
+from service.errors import HTTP_CODES as V1_HTTP_CODES
 
 Render = Callable[[Exception], Response | None]
 
 #: Our code for an HTTP error Starlette raises inside a route (a form it cannot parse: 400; the streamed body
 #: over the size limit: 413), named as the v1 API names it; any other status is ``http_error``.
-HTTP_CODES = {400: "invalid_multipart", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+HTTP_CODES = {**V1_HTTP_CODES, 400: "invalid_multipart"}
 
 
 def describe(exc: Exception) -> tuple[int, str, str] | None:

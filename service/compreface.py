@@ -26,7 +26,7 @@ from recognition.usecases import confidence
 from service.auth import Principal
 from service.compat import HTTP_CODES, describe, rendering_route
 from service.deps import KeysDep, lookup_key
-from service.errors import RETRY_AFTER_S, ApiError, Unavailable, pipeline_error
+from service.errors import RETRY_AFTER_S, ApiError, pipeline_error, retry_after
 
 #: CompreFace's codes (its CommonExceptionCode) for ours; anything else is 0 ("undefined"), status 400,
 #: unless it is the server's fault (v1 answers 5xx): then v1's status, code 41 (``_uncoded``).
@@ -88,19 +88,15 @@ def compreface_error(exc: Exception) -> tuple[int, int, str] | None:
     return None
 
 
-def compreface_response(status: int, code: int, message: str, retry_after_s: int = RETRY_AFTER_S) -> Response:
-    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
+def compreface_response(status: int, code: int, message: str, retry: str = str(RETRY_AFTER_S)) -> Response:
+    headers = {"Retry-After": retry} if status == 503 else None
     return JSONResponse({"message": message, "code": code}, status_code=status, headers=headers)
 
 
 def render(exc: Exception) -> Response | None:
     """CompreFace's answer to an error (None: a bug, the app's logged 500); a 503 has v1's Retry-After."""
-    if isinstance(exc, PipelineError):
-        exc = pipeline_error(exc)
     found = compreface_error(exc)
-    if found is None:
-        return None
-    return compreface_response(*found, exc.retry_after_s if isinstance(exc, Unavailable) else RETRY_AFTER_S)
+    return None if found is None else compreface_response(*found, retry_after(exc))
 
 
 CompreFaceRoute = rendering_route(render)

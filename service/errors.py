@@ -107,6 +107,16 @@ def pipeline_error(exc: PipelineError) -> ApiError:
     return Unavailable(f"the inference server is unavailable: {exc}", code="triton_unavailable")
 
 
+def retry_after(exc: Exception) -> str:
+    """The Retry-After of a 503 that ``exc`` causes, on every API: 1 s when load is shed (``overloaded``,
+    the gateway's limit or Triton's full queue), else ``RETRY_AFTER_S``."""
+    error = pipeline_error(exc) if isinstance(exc, PipelineError) else exc
+    return str(error.retry_after_s if isinstance(error, Unavailable) else RETRY_AFTER_S)
+
+
+#: Our codes for Starlette's HTTP errors (anything else is ``http_error``).
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
 #: FastAPI's 400 for a JSON body its parser could not read (fastapi/routing.py), beside the validation
 #: error it gives for malformed JSON.
 _BODY_PARSE_ERROR = "There was an error parsing the body"
@@ -115,8 +125,7 @@ _BODY_PARSE_ERROR = "There was an error parsing the body"
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        retry = exc.retry_after_s if isinstance(exc, Unavailable) else RETRY_AFTER_S
-        headers = {"Retry-After": str(retry)} if exc.status == 503 else None
+        headers = {"Retry-After": retry_after(exc)} if exc.status == 503 else None
         return error_response(exc.status, exc.code, exc.message, exc.details, headers)
 
     @app.exception_handler(GalleryError)
@@ -164,8 +173,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == _BODY_PARSE_ERROR:  # invalid UTF-8, too deep to parse
             return error_response(400, "invalid_json", "the body is not valid JSON")
-        codes = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
-        return error_response(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
+        return error_response(exc.status_code, HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail),
                               headers=dict(exc.headers or {}))
 
     @app.exception_handler(Exception)

@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.datastructures import UploadFile
 
-from facecore.client import PipelineError
 from facecore.contract import Faces
 from gallery.errors import NotFound
 from recognition.enrollment import EnrollmentRules, FaceChoice
@@ -33,7 +32,7 @@ from recognition.usecases import confidence
 from service.admission import Admission
 from service.compat import describe, rendering_route
 from service.deps import KeysDep, ServiceDep, SettingsDep, lookup_key
-from service.errors import RETRY_AFTER_S, ApiError, Unavailable, pipeline_error
+from service.errors import ApiError, retry_after
 from service.images import MAX_FORM_FIELDS, Uploaded, check_image, read_images
 from service.openapi import image_body
 from service.schemas import Base64Image
@@ -58,19 +57,13 @@ def _where(exc: Exception) -> str:
     return f": {'.'.join(str(p) for p in errors[0].get('loc', ()))}: {errors[0].get('msg', 'not valid')}"
 
 
-def _retry_after(exc: Exception) -> str:
-    """Seconds, as the v1 API says them: 1 when load is shed (``overloaded``), else ``RETRY_AFTER_S``."""
-    error = pipeline_error(exc) if isinstance(exc, PipelineError) else exc
-    return str(error.retry_after_s if isinstance(error, Unavailable) else RETRY_AFTER_S)
-
-
 def _render(exc: Exception) -> JSONResponse | None:
     found = (exc.status, "", exc.message) if isinstance(exc, DeepStackError) else describe(exc)
     if found is None:
         return None
     status, code, message = found
     text = f"{message}{_where(exc)} ({code})" if code else message
-    headers = {"Retry-After": _retry_after(exc)} if status == 503 else None
+    headers = {"Retry-After": retry_after(exc)} if status == 503 else None
     body = {"success": False, "error": text, "code": status}
     return JSONResponse(body, status_code=status, headers=headers)
 
