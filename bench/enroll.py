@@ -42,9 +42,9 @@ from bench.core.reporting import machine_description, markdown_table, write_sect
 from bench.core.triton import triton_url
 from facecore.client import AsyncPipelineClient
 from facecore.spec import ModelSpec
-from gallery.__main__ import open_store
-from gallery.db import Database
-from gallery.store import FaceInfo, GalleryStore, IdentityInfo, NewFace
+from gallery.cli import open_store
+from gallery.store.db import Database
+from gallery.store.store import FaceInfo, GalleryStore, IdentityInfo, NewFace
 from recognition.importer import Importer, ImportItem, ImportOptions, Status
 
 SOURCES = ("obama.jpg", "obama2.jpg", "obama3.jpg", "biden.jpg")

@@ -38,8 +38,8 @@ from bench.gallery_engines import bench_exact, bench_faiss, bench_milvus
 from bench.gallery_measure import CONCURRENCY, Row, Truth
 
 __all__ = ["Row", "benchmark_case", "document", "main", "result_table", "synthetic_faces"]
-from gallery.index import Vectors, genuine_probes
-from gallery.measures import exact_search
+from gallery.engines.index import Vectors, genuine_probes
+from gallery.engines.measures import exact_search
 
 K = 10
 PER_IDENTITY = 10

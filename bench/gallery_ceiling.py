@@ -4,7 +4,7 @@
     python -m bench.gallery_ceiling --size 100000 --dims 128 --candidates pq4fs-fine
 
 Issue 12 asks that 32 concurrent one-query requests be served at >= 4x the queries per second of one
-request alone. The request batcher (``gallery/batching.py``) hands the waiting queries to the index in one
+request alone. The request batcher (``batching.py``) hands the waiting queries to the index in one
 call; what that gains is bounded by the kernel that scores the gallery: the queries per second of a block of
 32 against those of one query alone, each run as the product runs it (a lone query: the shards in parallel
 threads on FAISS's per-query kernel; a block: FAISS's block kernel on every core). Measured side by side on
@@ -46,9 +46,9 @@ from bench.core.inputs import ROOT
 from bench.core.reporting import fmt, machine_description, markdown_table, write_section
 from bench.gallery import THRESHOLD, synthetic_faces
 from bench.gallery_measure import K, release_free_memory
-from gallery.index import FaceIndex, IndexConfig, IndexKind
-from gallery.measures import concurrent_throughput
-from gallery.refine import RefinedIndex
+from gallery.engines.index import FaceIndex, IndexConfig, IndexKind
+from gallery.engines.measures import concurrent_throughput
+from gallery.engines.refine import RefinedIndex
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bench.gallery_measure import K, MemoryProbe, Row, Truth, measure, release_free_memory, status_kib
-from gallery.index import FaceIndex, IndexConfig, IndexKind
-from gallery.milvus import MilvusEngine
-from gallery.milvus_lite import MilvusLite
-from gallery.store import CollectionInfo
+from gallery.engines.index import FaceIndex, IndexConfig, IndexKind
+from gallery.engines.milvus import MilvusEngine
+from gallery.engines.milvus_lite import MilvusLite
+from gallery.store.store import CollectionInfo
 
 Vectors = NDArray[np.float32]
 

@@ -3,7 +3,7 @@
     python -m bench.gallery_growth            # 100k -> 150k, 200k, 400k, 1M at 128-d and 512-d (~7 min)
     python -m bench.gallery_growth --first 20000 --sizes 40000 100000 --dims 128
 
-An index is chosen (``gallery/selection.py``) on the collection as it is at build: the search effort
+An index is chosen (``gallery/engines/selection.py``) on the collection as it is at build: the search effort
 (re-rank depth, nprobe) that reaches the recall and agreement targets there. Enrollments and imports
 then add faces to it without a new build. Here, on the synthetic faces of ``bench.gallery``: the index
 chosen at ``--first`` faces (the candidates measured as at any build above ``exact_max``), grown by
@@ -29,8 +29,8 @@ from bench.core.inputs import ROOT
 from bench.core.reporting import fmt, machine_description, markdown_table, write_section
 from bench.gallery import THRESHOLD, synthetic_faces, truth_for
 from bench.gallery_measure import Row, Truth, accuracy
-from gallery.engines import FaissIndex
-from gallery.index import FaceIndex, Ids, IndexConfig, Vectors
+from gallery.engines.faiss_engine import FaissIndex
+from gallery.engines.index import FaceIndex, Ids, IndexConfig, Vectors
 
 PER_IDENTITY = 10
 

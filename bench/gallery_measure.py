@@ -22,7 +22,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.measures import concurrent_throughput, decision_agreement, recall_at_k, recall_lower_bound
+from gallery.engines.measures import (
+    concurrent_throughput,
+    decision_agreement,
+    recall_at_k,
+    recall_lower_bound,
+)
 
 K = 10
 CONCURRENCY = (1, 8, 32)

@@ -28,10 +28,10 @@ from numpy.typing import NDArray
 
 from bench.core.inputs import ROOT
 from bench.core.reporting import fmt, machine_description, markdown_table, write_section
-from gallery.db import Database, create_db_engine, migrate
+from gallery.engines.index import IndexConfig
 from gallery.gallery import Gallery
-from gallery.index import IndexConfig
-from gallery.store import GalleryStore, NewFace
+from gallery.store.db import Database, create_db_engine, migrate
+from gallery.store.store import GalleryStore, NewFace
 
 MODEL = "bench-model"
 PER_IDENTITY = 1000  # faces per identity of the large collection (fewer rows to write than one each)

@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from facecore.client import PipelineClient
 from facecore.spec import ModelSpec
-from gallery.store import GalleryStore
+from gallery.store.store import GalleryStore
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from facecore.contract import Faces
 from facecore.quality import QualityThresholds, assess
-from gallery.store import NewFace
+from gallery.store.store import NewFace
 from recognition.errors import Refused
 
 #: A given box picks the detected face it overlaps most, if that overlap (IoU) reaches this.

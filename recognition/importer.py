@@ -30,7 +30,7 @@ from facecore.client import AsyncPipeline, PipelineError
 from facecore.contract import Faces
 from facecore.limits import DEFAULT_LIMITS, Limits
 from facecore.quality import QualityThresholds
-from gallery.store import GalleryStore, NewFace
+from gallery.store.store import GalleryStore, NewFace
 from recognition.enrollment import EnrollmentRules, FaceChoice, enrollable_face, image_sha256
 from recognition.errors import Refused
 

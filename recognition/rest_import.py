@@ -1,4 +1,5 @@
-"""The batch import through a deployed stack's REST API (``python -m gallery import --api URL --key KEY``):
+"""The batch import through a deployed stack's REST API
+(``python -m recognition import --api URL --key KEY``):
 a ``Backend`` for ``recognition.importer.Importer`` that needs only the API and a key, not Triton's gRPC
 port nor the database.
 

@@ -22,9 +22,9 @@ from facecore.client import AsyncPipeline
 from facecore.contract import Faces
 from facecore.spec import ModelSpec
 from gallery.embeddings import row_scores
-from gallery.faces import FaceRecords, StoredFace
 from gallery.gallery import Gallery, SearchResult
-from gallery.store import CollectionInfo, FaceInfo, GalleryStore, IdentityInfo, check_model
+from gallery.store.faces import FaceRecords, StoredFace
+from gallery.store.store import CollectionInfo, FaceInfo, GalleryStore, IdentityInfo, check_model
 from recognition.enrollment import EnrollmentRules, IgnoredFace, enrollable_face, image_sha256, largest
 from recognition.errors import Refused
 

@@ -24,9 +24,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from facecore.client import AsyncPipelineClient
 from facecore.probe import probe_image
 from facecore.settings import GatewaySettings
-from gallery.db import Database, create_db_engine, migrate
 from gallery.gallery import Gallery, open_gallery
-from gallery.store import GalleryStore
+from gallery.store.db import Database, create_db_engine, migrate
+from gallery.store.store import GalleryStore
 from recognition.usecases import Recognition
 from service.admission import Admission
 from service.auth import KeyStore

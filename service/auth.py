@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass
 
 from facecore.periodic import Periodic
-from gallery.db import Database
-from gallery.keys import KeyInfo, KeyRecords
+from gallery.store.db import Database
+from gallery.store.keys import KeyInfo, KeyRecords
 
 KEY_PREFIX = "frk_"
 

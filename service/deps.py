@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from facecore.settings import GatewaySettings
 from gallery.gallery import Gallery
-from gallery.store import GalleryStore
+from gallery.store.store import GalleryStore
 from recognition.usecases import Recognition
 from service.admission import Admission
 from service.auth import KeyStore, Principal

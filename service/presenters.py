@@ -5,7 +5,7 @@ from __future__ import annotations
 from facecore.contract import Faces
 from facecore.quality import assess
 from gallery.gallery import Candidate as GalleryCandidate
-from gallery.store import FaceInfo, IdentityInfo
+from gallery.store.store import FaceInfo, IdentityInfo
 from recognition.usecases import Enrolled, FaceSearch, Identified, Verified, confidence
 from service import schemas
 

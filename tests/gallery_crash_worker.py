@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine, event
 
-from gallery.db import Database, create_db_engine, migrate
+from gallery.engines.milvus import MilvusEngine
 from gallery.errors import Conflict
 from gallery.gallery import Gallery
-from gallery.milvus import MilvusEngine
-from gallery.store import GalleryStore, NewFace
+from gallery.store.db import Database, create_db_engine, migrate
+from gallery.store.store import GalleryStore, NewFace
 
 COLLECTION = "crash"
 MODEL = "crash-model"

@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from gallery.db import Database, create_db_engine, migrate
+from gallery.engines.index import IndexConfig
+from gallery.engines.milvus import MilvusEngine
+from gallery.engines.milvus_lite import MilvusLite
 from gallery.gallery import Gallery
-from gallery.index import IndexConfig
-from gallery.milvus import MilvusEngine
-from gallery.milvus_lite import MilvusLite
-from gallery.store import GalleryStore
+from gallery.store.db import Database, create_db_engine, migrate
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import GalleryFactory
 
 PG_ADMIN_URL = os.environ.get("FACEREC_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from gallery.db import Database, create_db_engine
+from gallery.engines.milvus import MilvusEngine
 from gallery.gallery import Gallery
-from gallery.milvus import MilvusEngine
-from gallery.store import GalleryStore
+from gallery.store.db import Database, create_db_engine
+from gallery.store.store import GalleryStore
 
 
 def main(url: str, collection: str, milvus: list[str]) -> None:

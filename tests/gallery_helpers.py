@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 from sqlalchemy import Engine, text
 
 from gallery.gallery import Gallery
-from gallery.store import NewFace
+from gallery.store.store import NewFace
 
 #: ``make_gallery(store, snapshot_dir=None, config=None)`` (the fixture in tests/gallery_fixtures.py)
 GalleryFactory = Callable[..., Gallery]

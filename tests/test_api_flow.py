@@ -447,7 +447,7 @@ def test_collections_lifecycle(engine_api: Api) -> None:
 
 def test_erasure_reaches_the_snapshot_files(start_api: Any) -> None:
     """After an identity is deleted, the on-disk index snapshot no longer holds its vectors."""
-    from gallery.index import FaceIndex
+    from gallery.engines.index import FaceIndex
 
     api = start_api(gallery={"erasure_snapshot_delay_s": 0.2})
     api.create_collection("people")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, event, exc, literal_column, select, table
 
-from gallery.keys import _SIGNATURE, KeyRecords
-from gallery.store import _CHANGES, GalleryStore
+from gallery.store.keys import _SIGNATURE, KeyRecords
+from gallery.store.store import _CHANGES, GalleryStore
 from tests.gallery_helpers import MODEL, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]

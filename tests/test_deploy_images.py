@@ -218,7 +218,8 @@ def test_gateway_image_installs_what_the_gateway_imports() -> None:
     requirements = [*project["dependencies"], *(r for e in extras for r in optional[e]),
                     *(a for a in _pip_arguments(DOCKERFILES["gateway"]) if not a.startswith("."))]
     allowed = _closure(_requirement_names(requirements))
-    imported = _imported_distributions("import service.app, gallery.db, gallery.gallery, faiss, uvicorn")
+    imported = _imported_distributions(
+        "import service.app, gallery.store.db, gallery.gallery, faiss, uvicorn")
     assert imported - allowed == set(), "the gateway image does not install these"
 
 

@@ -177,7 +177,7 @@ def test_k8s_postgres(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     assert "pg_isready" in _container(statefulset)["readinessProbe"]["exec"]["command"]
     # every gateway the HPA may run (plus a rollout's surge) with its engine's whole pool, and a few more
     # (migrations, python -m gallery, an operator's psql)
-    from gallery.db import create_db_engine
+    from gallery.store.db import create_db_engine
 
     pool = create_db_engine("postgresql+psycopg://u@localhost/db").pool
     per_gateway = pool.size() + pool._max_overflow  # type: ignore[attr-defined]

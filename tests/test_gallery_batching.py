@@ -1,4 +1,4 @@
-"""Concurrent searches of one collection are made in one engine call (gallery/batching.py)."""
+"""Concurrent searches of one collection are made in one engine call (gallery/engines/batching.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from gallery.batching import SearchBatcher
+from gallery.engines.batching import SearchBatcher
 from gallery.gallery import Gallery
-from gallery.store import GalleryStore
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import MODEL, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]

@@ -21,10 +21,11 @@ import pytest
 from numpy.typing import NDArray
 from sqlalchemy import Engine, inspect
 
-from gallery.db import Database, create_db_engine, migrate
 from gallery.errors import ModelMismatch, NotFound
 from gallery.gallery import Gallery
-from gallery.store import GalleryStore
+from gallery.replica import Replica
+from gallery.store.db import Database, create_db_engine, migrate
+from gallery.store.store import GalleryStore
 from tests import gallery_crash_worker as worker
 from tests.gallery_helpers import (
     MODEL,
@@ -176,13 +177,13 @@ def test_load_from_snapshot_plus_newer_changes(store: GalleryStore, engine: Engi
     assert store.last_seq() > snapshot_seq
 
     built: list[str] = []
-    original = Gallery._build
+    original = Replica.build
 
-    def spy(self: Gallery, info: Any) -> Any:
+    def spy(self: Replica, info: Any) -> Any:
         built.append(info.name)
         return original(self, info)
 
-    monkeypatch.setattr(Gallery, "_build", spy)
+    monkeypatch.setattr(Replica, "build", spy)
     restarted = make_gallery(store, tmp_path)
     restarted.load()
     assert built == ["late"]  # a and b came from their snapshots, replayed forward
@@ -427,7 +428,7 @@ def test_a_follower_reads_the_log_without_holding_searches_up(store: GalleryStor
     changes_since = gallery.store.changes_since
 
     def reading(seq: int, limit: int = 10_000) -> Any:
-        free.append(lock_is_free(gallery._lock))
+        free.append(lock_is_free(gallery.replica.lock))
         return changes_since(seq, limit)
 
     monkeypatch.setattr(gallery.store, "changes_since", reading)
@@ -498,7 +499,8 @@ def test_searches_wait_for_no_database_read_of_a_sync(store: GalleryStore, engin
 def test_a_search_waits_for_no_other_collections_search(store: GalleryStore, make_gallery: GalleryFactory,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     gallery, query = two_collections(store, make_gallery, np.random.default_rng(33))
-    with while_held(monkeypatch, gallery._entry("a").index, "search", lambda: gallery.search("a", query)):
+    index = gallery.replica.entry("a").index
+    with while_held(monkeypatch, index, "search", lambda: gallery.search("a", query)):
         assert finishes(lambda: gallery.search("b", query)), "it waited for collection a's search"
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
+from gallery.engines.index import FaceIndex
 from gallery.gallery import Gallery
-from gallery.index import FaceIndex
-from gallery.store import GalleryStore, NewFace
+from gallery.store.store import GalleryStore, NewFace
 
 pytest_plugins = ["tests.gallery_fixtures"]
 
@@ -28,7 +28,7 @@ KILLED_SAVE = """
 import os, signal, sys
 from pathlib import Path
 import numpy as np
-from gallery.index import FaceIndex
+from gallery.engines.index import FaceIndex
 os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
 vectors = np.random.default_rng(0).standard_normal((20, 16)).astype(np.float32)
 FaceIndex.build(16, np.arange(20), vectors).save(Path(sys.argv[1]), 1)

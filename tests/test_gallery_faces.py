@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import Engine, text
 
-from gallery.faces import FaceRecords
+from gallery.engines.selection import IndexConfig
 from gallery.gallery import Gallery
-from gallery.models import ChangeOp
-from gallery.selection import IndexConfig
-from gallery.store import GalleryStore
+from gallery.store.faces import FaceRecords
+from gallery.store.models import ChangeOp
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import MODEL, db_faces, new_faces, sql_scalar, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]

@@ -17,12 +17,12 @@ import pytest
 from sqlalchemy import text
 
 from facecore.client import AsyncPipelineClient, PipelineClient, PipelineError
-from gallery.__main__ import main as gallery_main
-from gallery.__main__ import parser as gallery_parser
 from gallery.errors import CropsMissing, ModelMismatch
 from gallery.gallery import Gallery
 from gallery.reembed import reembed_collection
-from gallery.store import GalleryStore
+from gallery.store.store import GalleryStore
+from recognition.__main__ import main as recognition_main
+from recognition.__main__ import parser as recognition_parser
 from recognition.importer import (
     Importer,
     ImportOptions,
@@ -181,7 +181,7 @@ def test_manifest_cli_report_and_reembed(store: GalleryStore, triton: TritonServ
     assert len(read_manifest(manifest)) == 2
     url = str(store.db.engine.url)
     report = tmp_path / "report.json"
-    code = gallery_main(["--database-url", url, "import", "--collection", "people",
+    code = recognition_main(["--database-url", url, "import", "--collection", "people",
                          "--manifest", str(manifest), "--url", triton.grpc_url, "--create-collection",
                          "--report", str(report), "-q"])
     assert code == 0
@@ -210,8 +210,8 @@ def test_reembed_refuses_without_crops(store: GalleryStore, triton: TritonServer
 
 
 def cli_import(store: GalleryStore, *args: str) -> int:
-    return gallery_main(["--database-url", str(store.db.engine.url), "import", "--collection", "people", "-q",
-                         *args])
+    return recognition_main(["--database-url", str(store.db.engine.url), "import", "--collection", "people",
+                             "-q", *args])
 
 
 def identities(store: GalleryStore) -> set[str]:
@@ -242,7 +242,8 @@ def test_cli_errors_are_one_line_exit_2(store: GalleryStore, triton: TritonServe
 @pytest.mark.parametrize("value", ["0", "-1", "65", "many"])
 def test_concurrency_out_of_range_is_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        gallery_parser().parse_args(["import", "--collection", "x", "--folder", ".", "--concurrency", value])
+        recognition_parser().parse_args(["import", "--collection", "x", "--folder", ".",
+                                         "--concurrency", value])
     assert exited.value.code == 2 and "--concurrency" in capsys.readouterr().err
 
 
@@ -347,3 +348,12 @@ def test_names_that_are_not_utf8(store: GalleryStore, triton: TritonServer, fold
     assert len(store.list_faces("people", "obama")) == 3
     write_report(results, tmp_path / "report.csv")
     assert "\\udcff.jpg" in (tmp_path / "report.csv").read_text()
+
+
+def test_the_gallery_command_line_points_at_the_import_that_moved(caplog: pytest.LogCaptureFixture) -> None:
+    """``python -m gallery import`` was the batch import; it is ``python -m recognition import`` now (the
+    import runs faces through the pipeline, a layer above the gallery): the old command says where it went."""
+    from gallery.__main__ import main as gallery_main
+
+    assert gallery_main(["--database-url", "sqlite:///unused.db", "import", "--collection", "x"]) == 2
+    assert "python -m recognition import" in caplog.text

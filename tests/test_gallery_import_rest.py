@@ -1,4 +1,4 @@
-"""``python -m gallery import --api URL --key KEY``: the same importer (classification, resume by sha256,
+"""``python -m recognition import --api URL --key KEY``: the same importer (classification, resume by sha256,
 bounded concurrency, per-file report, all or nothing per identity) through a deployed stack's REST API,
 against the real gateway over HTTP, the real Triton and a real database."""
 
@@ -45,7 +45,7 @@ def folder(tmp_path: Path, photos: dict[str, Path]) -> Path:
 
 def gallery_import(live: Live, key: str, *args: str,
                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "gallery", "import", "--api", live.base, "--key", key, *args]
+    command = [sys.executable, "-m", "recognition", "import", "--api", live.base, "--key", key, *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, **(env or {})})
 
@@ -113,16 +113,16 @@ def test_bad_key_and_missing_collection(live_api: StartLive, folder: Path) -> No
     assert refused.returncode == 2 and "401 unauthorized" in refused.stderr, refused.stderr
     missing = gallery_import(live, live.admin_key, "--collection", "nope", "--folder", str(folder), "-q")
     assert missing.returncode == 2 and "404 not_found" in missing.stderr, missing.stderr
-    no_key = subprocess.run([sys.executable, "-m", "gallery", "import", "--api", live.base, "--collection",
-                             "x", "--folder", str(folder)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60, check=False)
+    no_key = subprocess.run([sys.executable, "-m", "recognition", "import", "--api", live.base,
+                             "--collection", "x", "--folder", str(folder)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, check=False)
     assert no_key.returncode == 2 and "--key" in no_key.stderr
 
 
 def test_api_down_is_one_line_exit_2(folder: Path) -> None:
-    down = subprocess.run([sys.executable, "-m", "gallery", "import", "--api", "http://127.0.0.1:1", "--key",
-                           "frk_any", "--collection", "staff", "--folder", str(folder), "-q"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False)
+    down = subprocess.run([sys.executable, "-m", "recognition", "import", "--api", "http://127.0.0.1:1",
+                           "--key", "frk_any", "--collection", "staff", "--folder", str(folder), "-q"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert down.returncode == 2 and "cannot reach the API" in down.stderr, down.stderr
     assert "Traceback" not in down.stderr
 

@@ -17,16 +17,18 @@ import pytest
 from numpy.typing import NDArray
 from sqlalchemy import Engine
 
-import gallery.gallery as gallery_module
-import gallery.selection as selection
-from gallery.engines import FaissIndex, IndexInfo
+import gallery.engines.selection as selection
+import gallery.reselection as reselection_module
+from gallery.engines.base import IndexInfo
+from gallery.engines.faiss_engine import FaissIndex
+from gallery.engines.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
+from gallery.engines.refine import RefinedIndex
+from gallery.engines.threads import BACKGROUND_NICE, SMALL_WORK, at_low_priority
 from gallery.errors import InvalidEmbedding
-from gallery.faces import FaceRecords
 from gallery.gallery import Gallery, SearchResult
-from gallery.index import FaceIndex, IndexConfig, IndexKind, genuine_probes, recall_at_k
-from gallery.refine import RefinedIndex
-from gallery.store import GalleryStore
-from gallery.threads import BACKGROUND_NICE, SMALL_WORK, at_low_priority
+from gallery.replica import Replica
+from gallery.store.faces import FaceRecords
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import MODEL, GalleryFactory, assert_gallery_matches_db, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
@@ -177,7 +179,7 @@ class _SeesThreads:
 
 def test_a_small_search_runs_on_one_thread_and_puts_the_count_back() -> None:
     """libgomp's idle workers spin for milliseconds after every parallel region: a one-query search of a
-    small collection runs on the calling thread alone (gallery/threads.py), a large one on FAISS's
+    small collection runs on the calling thread alone (engines/threads.py), a large one on FAISS's
     threads, and the thread's own count is back after either."""
     seen: dict[str, object] = {}
 
@@ -203,7 +205,7 @@ def test_a_small_search_runs_on_one_thread_and_puts_the_count_back() -> None:
 def test_a_lone_query_runs_on_one_thread_however_large_the_collection() -> None:
     """One query over a collection large enough for all of FAISS's threads still runs on one: FAISS's
     exact search splits its work by query, and two threads made a lone query slower and five times
-    costlier (gallery/threads.py); two queries over the same collection get the thread's usual count."""
+    costlier (engines/threads.py); two queries over the same collection get the thread's usual count."""
     seen: dict[str, object] = {}
 
     def run() -> None:
@@ -315,7 +317,8 @@ def test_tombstones_equal_remove_ids_and_compact(store: GalleryStore, engine: En
     tomb = Gallery(store, force_tombstones=True)
     plain.load()
     tomb.load()
-    assert not plain._entry("c").index.index._tombstoning and tomb._entry("c").index.index._tombstoning
+    assert not plain.replica.entry("c").index.index._tombstoning
+    assert tomb.replica.entry("c").index.index._tombstoning
 
     saw_tombstones = compactions = 0
     next_identity = 40
@@ -332,10 +335,10 @@ def test_tombstones_equal_remove_ids_and_compact(store: GalleryStore, engine: En
         if rng.random() < 0.5:
             enrolled.add(store, "c", f"p{next_identity}", unit_vectors(rng, 2, DIM))
             next_identity += 1
-        before = tomb._entry("c").index.index
+        before = tomb.replica.entry("c").index.index
         plain.sync()
         tomb.sync()
-        after = tomb._entry("c").index.index
+        after = tomb.replica.entry("c").index.index
         compactions += after is not before
         saw_tombstones += bool(after._tombstones)
         assert len(after._tombstones) <= after.config.compact_fraction * max(len(after), 1)
@@ -390,7 +393,8 @@ def test_faces_moved_by_a_merge_stay_in_a_tombstoned_index(store: GalleryStore, 
     gallery.load()
     FaceRecords(store.db).rename("c", "p0", "p1")
     gallery.sync()
-    assert gallery._entry("c").index.has_tombstones  # not rebuilt: the tombstoned index applied the merge
+    # not rebuilt: the tombstoned index applied the merge
+    assert gallery.replica.entry("c").index.has_tombstones
     assert_gallery_matches_db(gallery, engine, "c", DIM)
     assert {c.external_id for c in gallery.search("c", unit_vectors(rng, 1, DIM), k=20)[0].candidates} == {
         f"p{number}" for number in range(1, 12)}
@@ -423,7 +427,7 @@ def test_ivf_chosen_when_recall_reaches_target(caplog: pytest.LogCaptureFixture)
     rng = np.random.default_rng(5)
     vectors = clustered(rng, 60, 50, 32)
     ids = np.arange(1000, 1000 + len(vectors), dtype=np.int64)
-    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+    with caplog.at_level(logging.INFO, logger="gallery.engines.selection"):
         index = FaceIndex.build(32, ids, vectors, IVF_ONLY)
     assert index.kind is IndexKind.IVF and index.nprobe >= 1
     assert index.recall is not None and index.recall >= 0.99
@@ -436,7 +440,7 @@ def test_ivf_chosen_when_recall_reaches_target(caplog: pytest.LogCaptureFixture)
     assert measured_recall(index, ids, vectors, seed=99) >= 0.98
     # small indexes stay exact without measuring anything
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+    with caplog.at_level(logging.INFO, logger="gallery.engines.selection"):
         small = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=len(ids)))
     assert small.kind is IndexKind.FLAT and small.recall is None and not caplog.records
 
@@ -454,7 +458,7 @@ def test_ivf_only_at_target_recall(monkeypatch: pytest.MonkeyPatch, caplog: pyte
     vectors = clustered(rng, 60, 50, 32)
     ids = np.arange(len(vectors), dtype=np.int64)
     monkeypatch.setattr(selection, "recall_at_k", lambda approximate, exact: recall)
-    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+    with caplog.at_level(logging.INFO, logger="gallery.engines.selection"):
         index = FaceIndex.build(32, ids, vectors, IVF_ONLY)
     assert index.kind is kind and index.recall == recall
     assert any(f"recall@10 {recall:.4f}" in r.getMessage() for r in caplog.records)
@@ -480,7 +484,7 @@ def test_ivf_refused_on_unclustered_data(caplog: pytest.LogCaptureFixture) -> No
     rng = np.random.default_rng(6)
     vectors = unit_vectors(rng, 3000, 32)
     ids = np.arange(len(vectors), dtype=np.int64)
-    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+    with caplog.at_level(logging.INFO, logger="gallery.engines.selection"):
         index = FaceIndex.build(32, ids, vectors, IVF_ONLY)
     assert index.kind is IndexKind.FLAT and index.recall is not None
     assert any("recall@10" in r.getMessage() for r in caplog.records)
@@ -643,7 +647,7 @@ def test_gallery_snapshot_round_trip(store: GalleryStore, engine: Engine, tmp_pa
     config = IndexConfig(exact_max=10_000) if kind == "flat" else approximate(kind, 300)
     first = Gallery(store, tmp_path, config)
     first.load()
-    assert first._entry("s").index.index.kind is IndexKind(kind)
+    assert first.replica.entry("s").index.index.kind is IndexKind(kind)
     stored = store.collection_vectors(store.get_collection("s").id, dimension)[2]
     queries = np.concatenate([unit_vectors(rng, 20, dimension), genuine_probes(stored, 40, seed=4)])
     before = first.search("s", queries, k=5)
@@ -654,9 +658,9 @@ def test_gallery_snapshot_round_trip(store: GalleryStore, engine: Engine, tmp_pa
 
     second = Gallery(store, tmp_path, config)
     with monkeypatch.context() as patch:
-        patch.setattr(Gallery, "_build", no_rebuild)
+        patch.setattr(Replica, "build", no_rebuild)
         second.load()
-    assert second._entry("s").index.index.kind is IndexKind(kind)
+    assert second.replica.entry("s").index.index.kind is IndexKind(kind)
     assert second.applied_seq == first.applied_seq == store.last_seq()
     assert same_results(second.search("s", queries, k=5), before)
 
@@ -734,7 +738,7 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
     enroll_clustered(store, rng, "g", 20, 12, dimension)  # 240 faces: exact
     gallery = Gallery(store, tmp_path, approximate("pq4fs", 300))
     gallery.load()
-    exact = gallery._entry("g").index
+    exact = gallery.replica.entry("g").index
     assert exact.index.kind is IndexKind.FLAT and not exact.outgrown
     built, release = threading.Event(), threading.Event()
     build = gallery.engine.build
@@ -758,7 +762,7 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
     deleted = int(store.collection_vectors(store.get_collection("g").id, dimension)[0][0])
     store.delete_face("g", deleted)
     gallery.sync()
-    assert gallery._entry("g").index is exact and len(exact) == 360 + 24 - 1
+    assert gallery.replica.entry("g").index is exact and len(exact) == 360 + 24 - 1
     described, reselecting = gallery.describe("g")
     assert (described.kind, described.effort, described.chosen_at, described.measured) == ("flat", None,
                                                                                            None, None)
@@ -768,12 +772,12 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
     gallery.join_reselections(120)
     assert gallery.describe("g")[1] is False
     assert gallery.reselection_state() == (0, {"chosen": 1, "outdated": 0, "failed": 0})
-    chosen = gallery._entry("g").index
+    chosen = gallery.replica.entry("g").index
     assert chosen is not exact and chosen.index.kind is IndexKind.PQ4FS and chosen.index.selection
     assert deleted not in chosen.face_ids()
     assert_gallery_matches_db(gallery, engine, "g", dimension)
     gallery.sync()  # chosen by measurement now: not again
-    assert not chosen.outgrown and not gallery._reselecting
+    assert not chosen.outgrown and not gallery.reselection.running
     written = [p.name for p in gallery.snapshot_erasures()]
     assert written == [f"collection-{store.get_collection('g').id}.faiss"]
 
@@ -791,7 +795,7 @@ def test_a_measured_index_is_measured_again_when_its_collection_has_grown(
     enroll_clustered(store, rng, "m", 20, 12, dimension)  # 240 faces, above exact_max: measured
     gallery = Gallery(store, tmp_path, approximate("pq4fs", 100))
     gallery.load()
-    first = gallery._entry("m").index
+    first = gallery.replica.entry("m").index
     assert first.index.kind is IndexKind.PQ4FS and first.index.selected_at == 240
     described = first.describe()
     assert (described.engine, described.kind, described.effort, described.chosen_at) == (
@@ -800,26 +804,28 @@ def test_a_measured_index_is_measured_again_when_its_collection_has_grown(
     assert described.measured.recall_bound >= 0.99 and described.measured.effort == first.index.nprobe
     enroll_clustered(store, rng, "m", 10, 12, dimension, start=100)  # 360: 1.5x, not more
     gallery.sync()
-    assert not first.outgrown and not gallery._reselecting and len(first) == 360
+    assert not first.outgrown and not gallery.reselection.running and len(first) == 360
     enroll_clustered(store, rng, "m", 1, 12, dimension, start=200)  # 372
     gallery.sync()
     assert first.outgrown
     gallery.join_reselections(120)
-    second = gallery._entry("m").index
+    second = gallery.replica.entry("m").index
     assert second is not first and second.index.kind is IndexKind.PQ4FS and second.index.selected_at == 372
     assert_gallery_matches_db(gallery, engine, "m", dimension)
     gallery.sync()
-    assert not second.outgrown and not gallery._reselecting
+    assert not second.outgrown and not gallery.reselection.running
     gallery.snapshot_erasures()
     reopened = Gallery(store, tmp_path, approximate("pq4fs", 100))
     reopened.load()  # from the snapshot: the size it was chosen at survives a restart
-    assert reopened._entry("m").index.index.selected_at == 372 and not reopened._entry("m").index.outgrown
+    reopened_index = reopened.replica.entry("m").index
+    assert reopened_index.index.selected_at == 372 and not reopened_index.outgrown
     never = Gallery(store, tmp_path / "never", IndexConfig(exact_max=100, candidates=("pq4fs",),
                                                            latency_check=False, reselect_growth=0))
     never.load()
     enroll_clustered(store, rng, "m", 50, 12, dimension, start=300)  # 972: more than twice 372
     never.sync()
-    assert never._entry("m").index.index.selected_at == 372 and not never._entry("m").index.outgrown
+    never_index = never.replica.entry("m").index
+    assert never_index.index.selected_at == 372 and not never_index.outgrown
 
 
 def test_stats_prints_each_collection_with_its_index(store: GalleryStore, tmp_path: Path,
@@ -890,14 +896,14 @@ def test_a_background_selection_cut_off_by_shutdown_is_abandoned_not_an_error(
     enroll_clustered(store, rng, "f", 2, 12, 32, start=50)
     gallery.sync()
     assert building.wait(30)
-    with caplog.at_level(logging.INFO, logger="gallery.gallery"):  # before the build can fail and log
+    with caplog.at_level(logging.INFO, logger="gallery.reselection"):  # before the build can fail and log
         gallery.close()
         stopped.set()
         gallery.join_reselections(30)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("abandoned" in r.getMessage() for r in caplog.records)
     assert gallery.reselection_state() == (0, {"chosen": 0, "outdated": 0, "failed": 0})
-    assert len(gallery._entry("f").index) == 120  # the index in use kept serving
+    assert len(gallery.replica.entry("f").index) == 120  # the index in use kept serving
 
 
 def test_a_failed_background_selection_is_retried_only_later(store: GalleryStore, tmp_path: Path,
@@ -915,13 +921,13 @@ def test_a_failed_background_selection_is_retried_only_later(store: GalleryStore
     enroll_clustered(store, rng, "f", 2, 12, 32, start=50)
     gallery.sync()
     gallery.join_reselections(30)
-    exact = gallery._entry("f").index
+    exact = gallery.replica.entry("f").index
     assert exact.outgrown and exact.index.kind is IndexKind.FLAT and len(exact) == 120  # still serving
-    assert list(gallery._reselect_failed) == [store.get_collection("f").id]
+    assert list(gallery.reselection.failed) == [store.get_collection("f").id]
     assert gallery.reselection_state() == (0, {"chosen": 0, "outdated": 0, "failed": 1})
     gallery.sync()
-    assert not gallery._reselecting  # not tried again at once
-    monkeypatch.setattr(gallery_module, "RESELECT_RETRY_S", 0.0)
+    assert not gallery.reselection.running  # not tried again at once
+    monkeypatch.setattr(reselection_module, "RESELECT_RETRY_S", 0.0)
     gallery.sync()
-    assert gallery._reselecting  # and again once the pause is over
+    assert gallery.reselection.running  # and again once the pause is over
     gallery.join_reselections(30)

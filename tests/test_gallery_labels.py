@@ -1,4 +1,4 @@
-"""Identity labels in search results (``Gallery._labels_for``) and the inline search
+"""Identity labels in search results (``gallery.labels.Labels``) and the inline search
 (``Gallery.search_inline``): labels are read once and then remembered; the change log says when one must
 be read again (faces removed, a new name or external id, a dropped collection), so a replica shows a
 rename once it has applied the log, like an enrolment. FAISS and the real Milvus engine, SQLite and
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from gallery import gallery as gallery_module
-from gallery.faces import FaceRecords
+from gallery import search as search_module
 from gallery.gallery import SearchResult
-from gallery.models import ChangeOp
-from gallery.store import GalleryStore
+from gallery.store.faces import FaceRecords
+from gallery.store.models import ChangeOp
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import MODEL, GalleryFactory, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
@@ -93,12 +93,12 @@ def test_a_deleted_identity_or_collection_leaves_the_results(store: GalleryStore
     assert (ann.external_id, ann.name) == ("ann", "Ann")
     store.delete_identity("c", "ann")
     replica.sync()
-    assert ann.identity_id not in replica._labels  # nothing of an erased identity kept
+    assert ann.identity_id not in replica.replica.labels  # nothing of an erased identity kept
     assert [c.external_id for c in replica.search("c", query)[0].candidates] == ["bob"]
     store.delete_collection("c")
     query = enrolled(store, seed=6)  # a new collection of that name, new identities
     replica.sync()
-    assert replica._labels == {}
+    assert len(replica.replica.labels) == 0
     assert top(replica.search("c", query)) == ("ann", "Ann")
 
 
@@ -132,7 +132,7 @@ def test_the_inline_search_equals_the_threaded_one_and_declines_what_it_cannot_a
     threaded = gallery.search("c", query, k=2, threshold=0.2)
     assert gallery.search_inline("c", query, k=2, threshold=0.2) == threaded
     assert gallery.search_inline("c", query) == gallery.search("c", query)
-    for lock, answers in ((gallery._lock, True), (gallery._entry("c").lock, False)):
+    for lock, answers in ((gallery.replica.lock, True), (gallery.replica.entry("c").lock, False)):
         held, release = threading.Event(), threading.Event()
 
         def hold(lock: Any = lock, held: threading.Event = held, release: threading.Event = release) -> None:
@@ -151,5 +151,5 @@ def test_the_inline_search_equals_the_threaded_one_and_declines_what_it_cannot_a
             release.set()
             holder.join()
     assert gallery.search_inline("c", query) is not None
-    monkeypatch.setattr(gallery_module, "INLINE_WORK", 32 * DIM - 1)  # 1 query x 32 fetched x 16-d
+    monkeypatch.setattr(search_module, "INLINE_WORK", 32 * DIM - 1)  # 1 query x 32 fetched x 16-d
     assert gallery.search_inline("c", query) is None  # larger than an inline search may be

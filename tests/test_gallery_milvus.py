@@ -17,11 +17,11 @@ import pytest
 from sqlalchemy import Engine
 
 from facecore.settings import Settings, load_settings
-from gallery.engines import IndexInfo
+from gallery.engines.base import IndexInfo
+from gallery.engines.milvus import MilvusEngine, MilvusIndex
+from gallery.engines.milvus_lite import MilvusLite
 from gallery.gallery import Gallery, open_gallery
-from gallery.milvus import MilvusEngine, MilvusIndex
-from gallery.milvus_lite import MilvusLite
-from gallery.store import GalleryStore
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import MODEL, OTHER_MODEL, assert_gallery_matches_db, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
@@ -60,7 +60,7 @@ def test_position_is_recorded_and_a_second_gateway_applies_nothing_twice(store: 
     first.load()
     assert first.engine.position() == store.last_seq()
     second.load()  # opens the collection the first one built
-    assert isinstance(second._entry("c").index, MilvusIndex)
+    assert isinstance(second.replica.entry("c").index, MilvusIndex)
     enroll(store, "c", 3, rng)
     store.delete_identity("c", "p0")
     assert first.sync() > 0 and first.engine.position() == store.last_seq()
@@ -190,7 +190,7 @@ def test_gateways_hold_no_vectors(store: GalleryStore, engines: Any) -> None:
     enroll(store, "c", 20, rng)
     gallery = Gallery(store, engine=engines("mem"))
     gallery.load()
-    index = gallery._entry("c").index
+    index = gallery.replica.entry("c").index
     assert isinstance(index, MilvusIndex) and len(index) == 40
     # Milvus indexes its segments itself: nothing is chosen again in the background
     assert gallery.describe("c") == (IndexInfo("milvus", "FLAT", faces=40), False)
@@ -242,7 +242,7 @@ class FakeCompactingClient:
 def test_compaction_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
     client = FakeCompactingClient()
     engine = MilvusEngine("", client=client)
-    monkeypatch.setattr("gallery.milvus.time.sleep", lambda _s: None)
+    monkeypatch.setattr("gallery.engines.milvus.time.sleep", lambda _s: None)
     assert engine.compact("facerec_c1") == "completed"
     assert client.asked == ["facerec_c1"] and client.states == [] and engine.compactions[-1][1] == "completed"
 
@@ -399,7 +399,7 @@ def test_writes_are_read_back_on_a_drifted_milvus_lite(store: GalleryStore, engi
         assert_gallery_matches_db(gallery, engine, "c", DIM)
         reopened = Gallery(store, engine=MilvusEngine(drifted_milvus, prefix="drift"))
         reopened.load()
-        assert isinstance(reopened._entry("c").index, MilvusIndex)
+        assert isinstance(reopened.replica.entry("c").index, MilvusIndex)
         assert_gallery_matches_db(reopened, engine, "c", DIM)
     finally:
         milvus.prune(set())
@@ -417,7 +417,7 @@ class NeverDeletingClient:
 
 
 def test_a_delete_that_never_shows_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("gallery.milvus.VISIBLE_S", 0.05)
+    monkeypatch.setattr("gallery.engines.milvus.VISIBLE_S", 0.05)
     index = MilvusIndex(NeverDeletingClient(), "facerec_c1", DIM, {})
     with pytest.raises(TimeoutError, match="deletion of 1 rows from facerec_c1 within"):
         index.remove(np.array([3]))
@@ -468,8 +468,8 @@ def test_a_delete_waits_for_a_version_still_ahead(monkeypatch: pytest.MonkeyPatc
     but not the replayed one, which shows later and stays. The barrier after the delete waits until both
     show, and the delete is repeated. Failed before the barrier (the face came back)."""
     client = StampingClient()
-    monkeypatch.setattr("gallery.milvus.time.sleep", client.sleep)
-    monkeypatch.setattr("gallery.milvus.time.monotonic", lambda: client.now / 1000)
+    monkeypatch.setattr("gallery.engines.milvus.time.sleep", client.sleep)
+    monkeypatch.setattr("gallery.engines.milvus.time.monotonic", lambda: client.now / 1000)
     engine = MilvusEngine("", client=client)
     index = MilvusIndex(client, "facerec_c1", 2, {}, engine.barrier)
     killed = {"face_id": 9, "identity_id": 1, "embedding": [0.0, 1.0]}
@@ -486,8 +486,8 @@ def test_two_versions_of_a_row_do_not_hide_another_row(monkeypatch: pytest.Monke
     the read-back of that add and of a second face must still find the second (failed when the
     read-back asked for one row per face: it timed out)."""
     client = StampingClient()
-    monkeypatch.setattr("gallery.milvus.time.sleep", client.sleep)
-    monkeypatch.setattr("gallery.milvus.time.monotonic", lambda: client.now / 1000)
+    monkeypatch.setattr("gallery.engines.milvus.time.sleep", client.sleep)
+    monkeypatch.setattr("gallery.engines.milvus.time.monotonic", lambda: client.now / 1000)
     index = MilvusIndex(client, "facerec_c1", 2, {})
     client.upsert("facerec_c1", [{"face_id": 9, "identity_id": 1, "embedding": [0.0, 1.0]}])
     index.add(np.array([9, 10]), np.array([1, 2]), np.array([[0.0, 1.0], [1.0, 0.0]], np.float32))
@@ -501,7 +501,7 @@ def test_a_name_milvus_lite_cannot_index_gets_a_variant(milvus_uri: str) -> None
     run); the engine builds, finds, opens and prunes the collection under a variant of it. Failed before."""
     from datetime import UTC, datetime
 
-    from gallery.store import CollectionInfo
+    from gallery.store.store import CollectionInfo
 
     engine = MilvusEngine(milvus_uri, prefix="t1f1e88d5")
     info = CollectionInfo(8, "c", MODEL, DIM, 0.5, False, datetime.now(UTC))

@@ -1,6 +1,6 @@
 """Searches raced by the changes applied under them: an index filled between a search's first engine call
-and its widening (``Gallery._best_identities``), and requests batched together that found different
-indexes of one collection (``Gallery.search`` with ``SearchBatcher``). Real FAISS, SQLite and PostgreSQL."""
+and its widening (``gallery.search``), and requests batched together that found different
+indexes of one collection (``Searcher.search`` with ``SearchBatcher``). Real FAISS, SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from gallery.batching import Arrays, Search, SearchBatcher
+from gallery.engines.batching import Arrays, Search, SearchBatcher
 from gallery.gallery import Gallery, SearchResult
-from gallery.store import GalleryStore
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import MODEL, OTHER_MODEL, new_faces, unit_vectors
 
 pytest_plugins = ["tests.gallery_fixtures"]
@@ -67,7 +67,7 @@ def test_a_search_whose_index_filled_after_its_first_call_ends(store: GallerySto
     thread, outcome = in_thread(lambda: gallery.search("c", query, k=2))
     thread.join(10)
     if thread.is_alive():  # stop the spinning search: its next engine call raises
-        entry = next(iter(gallery._collections.values()))
+        entry = next(iter(gallery.replica.collections.values()))
 
         def stopped(*_: Any) -> None:
             raise RuntimeError("stopped by the test")
@@ -109,7 +109,7 @@ def test_a_request_is_searched_in_the_index_it_found(store: GalleryStore) -> Non
     gallery = Gallery(store)
     gallery.load()
     collection_id = store.get_collection("c").id
-    old = gallery._collections[collection_id]
+    old = gallery.replica.collections[collection_id]
     entered, release = threading.Event(), threading.Event()
     search = old.index.search
 
@@ -126,7 +126,7 @@ def test_a_request_is_searched_in_the_index_it_found(store: GalleryStore) -> Non
     deleted = ann[0].id
     store.delete_face("c", deleted)
     gallery.rebuild("c")  # a new index, without the deleted face, replaces the one being searched
-    assert gallery._collections[collection_id] is not old
+    assert gallery.replica.collections[collection_id] is not old
     late, outcome = in_thread(lambda: gallery.search("c", vectors[0], k=1))
     wait_until(lambda: queued(gallery, collection_id) == 2, "the request on the new index to queue")
     release.set()

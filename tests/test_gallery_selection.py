@@ -18,13 +18,13 @@ import pytest
 from numpy.typing import NDArray
 from pydantic import ValidationError
 
-import gallery.measures as measures
-import gallery.selection as selection
+import gallery.engines.measures as measures
+import gallery.engines.selection as selection
 from facecore.settings import GallerySettings
-from gallery.engines import FaissIndex
-from gallery.index import FaceIndex, IndexConfig, IndexKind
-from gallery.refine import RefinedIndex, pq4_fast_scan, pq4_fast_scan_fine
-from gallery.threads import SMALL_WORK
+from gallery.engines.faiss_engine import FaissIndex
+from gallery.engines.index import FaceIndex, IndexConfig, IndexKind
+from gallery.engines.refine import RefinedIndex, pq4_fast_scan, pq4_fast_scan_fine
+from gallery.engines.threads import SMALL_WORK
 from tests.gallery_helpers import unit_vectors
 
 
@@ -154,7 +154,7 @@ def test_refined_candidate_is_chosen_and_holds_on_new_probes(kind: str, caplog: 
     vectors = face_like(2000, 10, 64)
     ids = np.arange(7, 7 + len(vectors), dtype=np.int64)
     identities = ids // 10
-    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+    with caplog.at_level(logging.INFO, logger="gallery.engines.selection"):
         index = FaceIndex.build(64, ids, vectors, accurate_only(kind), identities=identities, threshold=0.363)
     assert index.kind is IndexKind(kind) and index.nprobe in IndexConfig().rerank_steps
     (measured,) = index.selection
@@ -189,7 +189,7 @@ def test_a_candidate_short_of_impostor_agreement_is_refused(monkeypatch: pytest.
         return 0.998 if exact[1].shape[1] == 1 else real(approximate, exact, identity_of, threshold)  # type: ignore[arg-type]
 
     monkeypatch.setattr(selection, "decision_agreement", pinned)
-    with caplog.at_level(logging.INFO, logger="gallery.selection"):
+    with caplog.at_level(logging.INFO, logger="gallery.engines.selection"):
         index = FaceIndex.build(32, ids, vectors, accurate_only("pq4fs"))
     assert index.kind is IndexKind.FLAT and len(index) == len(ids)
     (measured,) = index.selection
@@ -243,7 +243,7 @@ def test_a_lone_query_uses_the_kernel_picked_for_this_machine_and_answers_the_sa
 @pytest.mark.parametrize(("slow", "kept"), [(14, 0), (0, 14)])
 def test_pick_lone_kernel_keeps_the_faster_kernel_by_alternating_medians(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, slow: int, kept: int) -> None:
-    import gallery.refine as refine
+    import gallery.engines.refine as refine
 
     vectors = face_like(300, 10, 32)
     index = filled("pq4fs-fine", vectors, rerank=32)
@@ -257,7 +257,7 @@ def test_pick_lone_kernel_keeps_the_faster_kernel_by_alternating_medians(
 
     monkeypatch.setattr(refine.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(index, "_candidates", scan)
-    with caplog.at_level(logging.INFO, logger="gallery.refine"):
+    with caplog.at_level(logging.INFO, logger="gallery.engines.refine"):
         medians = index.pick_lone_kernel(vectors[:5], rounds=3, calls=4, label="test index")
     assert index.lone_kernel == kept
     assert medians == {slow: pytest.approx(3.0), kept: pytest.approx(2.0)}
@@ -359,7 +359,7 @@ def test_a_batched_rerank_leaves_no_thread_spinning_after_it() -> None:
 def test_rerank_in_chunks_answers_as_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The re-rank gathers a few queries' candidates at a time (2500 build probes at a 2048-deep re-rank
     gathered at once were 2.6 GB); chunked or not, the answers are the same."""
-    import gallery.refine as refine
+    import gallery.engines.refine as refine
 
     vectors = face_like(300, 10, 32)
     ids = np.arange(len(vectors), dtype=np.int64)
@@ -460,7 +460,7 @@ def test_no_candidate_is_tried_past_the_selection_budget_once_one_is_usable(
     slow = {"pq4fs": (4.0, 9.0), "pq4fs-fine": (3.0, 8.0), "sq8": (2.0, 6.0)}
     candidates = ("pq4fs", "pq4fs-fine", "sq8")
     timed = pinned_timings(monkeypatch, slow, dict.fromkeys(slow, 1.0))
-    with caplog.at_level(logging.WARNING, logger="gallery.selection"):
+    with caplog.at_level(logging.WARNING, logger="gallery.engines.selection"):
         index = FaceIndex.build(32, ids, vectors, IndexConfig(exact_max=1000, candidates=candidates,
                                                               selection_budget_s=0.0))
     assert timed == ["exact", "pq4fs"] and [m.kind for m in index.selection] == ["pq4fs"]
@@ -576,7 +576,7 @@ def test_the_exact_scan_is_timed_with_real_faiss() -> None:
 def test_the_exact_scan_is_timed_on_the_threads_the_exact_index_serves_a_lone_query_with(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The selection's timing of the exact scan (one query a call) runs on one OpenMP thread however large
-    the collection, as FaceIndex.search serves a lone query (gallery/threads.py), and a batch of probes
+    the collection, as FaceIndex.search serves a lone query (engines/threads.py), and a batch of probes
     on the thread's usual count: timed on two threads, a lone query over 1M x 128 took 70 ms where it
     is served in 26."""
     seen: list[tuple[int, int]] = []

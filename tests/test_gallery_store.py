@@ -17,11 +17,11 @@ from alembic.migration import MigrationContext
 from numpy.typing import NDArray
 from sqlalchemy import Engine, insert, inspect, text
 
-import gallery.store as gallery_store
-from gallery.db import Polled, create_db_engine, migrate
+import gallery.store.store as gallery_store
 from gallery.errors import Conflict, InvalidEmbedding, ModelMismatch, NotFound
-from gallery.models import Base, ChangeOp, Identity
-from gallery.store import GalleryStore
+from gallery.store.db import Polled, create_db_engine, migrate
+from gallery.store.models import Base, ChangeOp, Identity
+from gallery.store.store import GalleryStore
 from tests.gallery_helpers import (
     MODEL,
     OTHER_MODEL,
@@ -450,7 +450,7 @@ def test_a_new_sqlite_file_waits_for_a_writer_before_switching_to_wal(tmp_path: 
         engine.dispose()
 
 
-MIGRATE = "import sys; from gallery import db; db.migrate(db.create_db_engine(sys.argv[1]))"
+MIGRATE = "import sys; from gallery.store import db; db.migrate(db.create_db_engine(sys.argv[1]))"
 
 
 def test_concurrent_migrations_on_an_empty_database(db_url: str) -> None:
@@ -564,7 +564,7 @@ def test_a_postgresql_server_that_never_answers_fails_the_connection_in_seconds(
 
     from sqlalchemy.exc import OperationalError
 
-    import gallery.db as db
+    import gallery.store.db as db
 
     monkeypatch.setattr(db, "CONNECT_TIMEOUT_S", 1)
     silent = socket.socket()

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from gallery.db import Database
-from gallery.store import GalleryStore
+from gallery.store.db import Database
+from gallery.store.store import GalleryStore
 from service.auth import KeyStore, Principal, _hash
 
 pytest_plugins = ["tests.gallery_fixtures"]

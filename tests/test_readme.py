@@ -37,6 +37,7 @@ from bench.gpu import build_parser as gpu_parser
 from export.__main__ import parser as export_parser
 from facecore.settings import GatewaySettings
 from gallery.__main__ import parser as gallery_parser
+from recognition.__main__ import parser as recognition_parser
 from recognition.usecases import confidence
 from service.app import create_app
 from tests.readme_runner import (
@@ -78,6 +79,7 @@ def _subcommands(parser: Any) -> set[str]:
 
 
 SUBCOMMANDS = {"export": _subcommands(export_parser()), "gallery": _subcommands(gallery_parser()),
+               "recognition": _subcommands(recognition_parser()),
                "bench.gpu": _subcommands(gpu_parser())}
 
 
@@ -305,7 +307,7 @@ def readme_commands(text: str) -> dict[tuple[str, str | None], set[str]]:
 def test_every_python_command_has_help_with_its_options(text: str) -> None:
     commands = readme_commands(text)
     for needed in [("export", "inspect"), ("export", "pin"), ("export", "repository"),
-                   ("gallery", None), ("gallery", "import"), ("service", None), ("bench.pipeline", None),
+                   ("gallery", None), ("recognition", "import"), ("service", None), ("bench.pipeline", None),
                    ("bench.gallery", None), ("bench.enroll", None)]:
         assert needed in commands, f"the README no longer shows python -m {' '.join(filter(None, needed))}"
 

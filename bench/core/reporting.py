@@ -122,7 +122,7 @@ def _hardware() -> str:
     import faiss
     import numpy as np
 
-    from gallery.index import gpu_available
+    from gallery.engines.index import gpu_available
 
     meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
     total = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.MULTILINE)

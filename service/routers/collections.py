@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, status
 
-from gallery.store import CollectionInfo
+from gallery.store.store import CollectionInfo
 from service import schemas
 from service.deps import AdminDep, CollectionAccessDep, GalleryDep, KeysDep, ServiceDep, StoreDep
 

@@ -11,9 +11,9 @@ from datetime import datetime
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from gallery.db import Database
 from gallery.errors import NotFound
-from gallery.models import ApiKey, Collection, utcnow
+from gallery.store.db import Database
+from gallery.store.models import ApiKey, Collection, utcnow
 
 #: Every authenticated request runs this: built once (statement construction costs as much as the query).
 _FIND = (select(ApiKey.id, Collection.name).join(Collection, Collection.id == ApiKey.collection_id)

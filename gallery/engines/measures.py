@@ -1,4 +1,4 @@
-"""Probes and measures for comparing an index with exact search (``gallery/selection.py`` and the bench).
+"""Probes and measures for comparing an index with exact search (``selection.py`` and the bench).
 
 Genuine probes are like a new photo of an enrolled face; impostor probes like someone not enrolled,
 drawn from the collection's own distribution. Recall@10 and the decision agreement (the same identity
@@ -18,8 +18,8 @@ import faiss
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.batching import Search, SearchBatcher
-from gallery.threads import threads_for
+from gallery.engines.batching import Search, SearchBatcher
+from gallery.engines.threads import threads_for
 
 Ids = NDArray[np.int64]
 Vectors = NDArray[np.float32]
@@ -117,7 +117,7 @@ def latency_ms(search: Callable[[Vectors], Any], queries: Vectors) -> tuple[floa
 
 def concurrent_throughput(search: Search, queries: Vectors, concurrency: int, requests: int) -> float:
     """Queries per second of ``requests`` one-query requests (top ``K``) sent by ``concurrency`` threads
-    at once through the request batcher, as a gateway under load sends them (``gallery.batching``)."""
+    at once through the request batcher, as a gateway under load sends them (``gallery.engines.batching``)."""
     batcher = SearchBatcher()
 
     def one(number: int) -> None:

@@ -15,7 +15,7 @@ until, on probes made from the collection itself, it reaches
 
 Its single-query latency (the better of two passes) and its throughput under load (queries/s of
 ``throughput_concurrency`` concurrent one-query requests through the request batcher,
-``gallery.batching``, as a gateway sends them) are then measured. Once a candidate is within
+``gallery.engines.batching``, as a gateway sends them) are then measured. Once a candidate is within
 ``target_p99_ms``, ``rivals`` more are tried, and a rival within it replaces the candidate kept so far
 when it serves at least ``rival_margin`` times its queries per second under load, the two measured side
 by side: latency is the constraint, throughput under load the objective (at 1M x 128 the finer PQ codes
@@ -39,7 +39,7 @@ import faiss
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.measures import (
+from gallery.engines.measures import (
     K,
     concurrent_throughput,
     decision_agreement,
@@ -52,7 +52,7 @@ from gallery.measures import (
     recall_at_k,
     recall_lower_bound,
 )
-from gallery.refine import CODES, RefinedIndex
+from gallery.engines.refine import CODES, RefinedIndex
 
 __all__ = ["IndexConfig", "Measurement", "decision_agreement", "exact_search", "genuine_probes",
            "impostor_probes", "proportion_lower_bound", "recall_at_k", "recall_lower_bound", "select"]
@@ -146,7 +146,7 @@ class Measurement:
         return asdict(self)
 
 
-class Candidate:
+class IndexCandidate:
     """One kind of index over the collection, with a search-effort knob."""
 
     kind = ""
@@ -166,7 +166,7 @@ class Candidate:
     index: Any = None
 
 
-class Refined(Candidate):
+class Refined(IndexCandidate):
     def __init__(self, kind: str, ids: Ids, vectors: Vectors, shards: int, steps: tuple[int, ...]) -> None:
         self.kind, self.steps = kind, steps
         sample = vectors[np.random.default_rng(0).choice(len(vectors), size=min(len(vectors), 65_536),
@@ -188,7 +188,7 @@ class Refined(Candidate):
         self.index.pick_lone_kernel(queries, K, label=f"{self.kind} over {self.index.ntotal} faces")
 
 
-class Ivf(Candidate):
+class Ivf(IndexCandidate):
     kind = "ivf"
 
     def __init__(self, ids: Ids, vectors: Vectors, max_scan_fraction: float) -> None:
@@ -225,7 +225,7 @@ def nprobe_steps(nlist: int) -> list[int]:
     return [*steps, nlist]
 
 
-def make_candidate(kind: str, ids: Ids, vectors: Vectors, config: IndexConfig) -> Candidate:
+def make_candidate(kind: str, ids: Ids, vectors: Vectors, config: IndexConfig) -> IndexCandidate:
     if kind == "ivf":
         return Ivf(ids, vectors, config.max_scan_fraction)
     if kind in CODES:
@@ -259,7 +259,7 @@ class Probes:
         return cls(genuine, impostor, exact_search(genuine, vectors, ids, K),
                    exact_search(impostor, vectors, ids, 1), identity_of, threshold)
 
-    def measure(self, candidate: Candidate, effort: int, config: IndexConfig) -> Measurement:
+    def measure(self, candidate: IndexCandidate, effort: int, config: IndexConfig) -> Measurement:
         candidate.set_effort(effort)
         genuine = candidate.search(self.genuine, K)
         impostor = candidate.search(self.impostor, 1)
@@ -275,7 +275,7 @@ class Probes:
         return Measurement(candidate.kind, effort, recall, bound, agree_g, agree_i, accurate)
 
 
-def tune(candidate: Candidate, probes: Probes, config: IndexConfig) -> Measurement:
+def tune(candidate: IndexCandidate, probes: Probes, config: IndexConfig) -> Measurement:
     """Raise the effort until the accuracy targets are met (or the last step); latency when met."""
     measured: Measurement | None = None
     for effort in candidate.efforts():
@@ -296,7 +296,7 @@ def tune(candidate: Candidate, probes: Probes, config: IndexConfig) -> Measureme
     return measured
 
 
-def replaces(kept: Candidate, rival: Candidate, probes: Probes, config: IndexConfig) -> bool:
+def replaces(kept: IndexCandidate, rival: IndexCandidate, probes: Probes, config: IndexConfig) -> bool:
     """Whether ``rival`` serves at least ``rival_margin`` times the queries per second of ``kept`` under
     load, the two measured in alternation (this machine's drift falls on both alike)."""
     kept_qps, rival_qps = paired_concurrent_throughput([kept.search, rival.search], probes.genuine,
@@ -331,7 +331,7 @@ def worth_selecting(vectors: Vectors, config: IndexConfig) -> tuple[bool, float 
 
 
 def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float | None, config: IndexConfig
-           ) -> tuple[Candidate | None, list[Measurement], float]:
+           ) -> tuple[IndexCandidate | None, list[Measurement], float]:
     """(the chosen candidate or None for exact, every measurement, the exact scan's median in ms)."""
     started = time.perf_counter()
     probes = Probes.of(ids, vectors, identities, config.match_threshold if threshold is None else threshold,
@@ -339,8 +339,8 @@ def select(ids: Ids, vectors: Vectors, identities: Ids | None, threshold: float 
     exact_p50 = (latency_ms(lambda q: exact_search(q, vectors, ids, K), probes.genuine[:20])[0]
                  if config.latency_check else float("inf"))
     measurements: list[Measurement] = []
-    kept: Candidate | None = None  # the candidate to keep among those within target_p99_ms
-    fastest: tuple[float, Candidate] | None = None  # (p99, candidate): accurate, beats exact, not within
+    kept: IndexCandidate | None = None  # the candidate to keep among those within target_p99_ms
+    fastest: tuple[float, IndexCandidate] | None = None  # (p99, candidate): accurate, beats exact, not within
     remaining: int | None = None  # candidates still to try once one is within the target
     for kind in config.candidates:
         if remaining is not None:

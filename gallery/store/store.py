@@ -17,10 +17,10 @@ from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gallery.db import Database
 from gallery.embeddings import decode_vector, encode_vector, validate_embeddings
 from gallery.errors import Conflict, CropsMissing, ModelMismatch, NotFound
-from gallery.models import ChangeOp, Collection, Face, FaceChange, Identity
+from gallery.store.db import Database
+from gallery.store.models import ChangeOp, Collection, Face, FaceChange, Identity
 
 #: Every search runs this (the labels of its candidates): built once.
 _LABELS = select(Identity.id, Identity.external_id, Identity.name).where(

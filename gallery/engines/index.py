@@ -4,8 +4,8 @@ Exact (``IndexFlatIP``) up to ``exact_always`` vectors, and up to ``exact_max`` 
 timed at build, is within the p99 target (an exact collection that grows past either bound is chosen
 again in the background by ``Gallery``: ``FaissIndex.outgrown``; so is one whose index was measured, at
 ``reselect_growth`` times the size it was measured at). Otherwise the index is chosen from
-measurements on the collection itself (``gallery.selection``): 4-bit PQ fast-scan or 8-bit
-scalar-quantized codes with an exact re-rank from the stored vectors (``gallery.refine``), or IVF, each
+measurements on the collection itself (``selection.py``): 4-bit PQ fast-scan or 8-bit
+scalar-quantized codes with an exact re-rank from the stored vectors (``refine.py``), or IVF, each
 kept only when its recall@10 lower bound and its decision agreement with exact search reach the targets
 and it is fast enough; otherwise the collection stays exact. On a GPU (when FAISS reports one) flat and
 IVF indexes are copied to it; GPU indexes cannot ``remove_ids``, so removals become tombstones filtered
@@ -32,8 +32,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from facecore.files import sha256_of, sha256_of_handle
-from gallery.refine import RefinedIndex
-from gallery.selection import (
+from gallery.engines.refine import RefinedIndex
+from gallery.engines.selection import (
     IndexConfig,
     Measurement,
     genuine_probes,
@@ -43,7 +43,7 @@ from gallery.selection import (
     select,
     worth_selecting,
 )
-from gallery.threads import threads_for
+from gallery.engines.threads import threads_for
 
 __all__ = ["FaceIndex", "IndexConfig", "IndexKind", "Measurement", "genuine_probes", "impostor_probes",
            "recall_at_k", "recall_lower_bound", "remove_stale_partials"]

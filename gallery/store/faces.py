@@ -15,11 +15,11 @@ from numpy.typing import NDArray
 from sqlalchemy import ColumnElement, delete, func, insert, literal, select, update
 from sqlalchemy.orm import Session
 
-from gallery.db import Database
 from gallery.embeddings import decode_vector
 from gallery.errors import Conflict, NotFound
-from gallery.models import ChangeOp, Collection, Face, FaceChange, Identity
-from gallery.store import FaceInfo, GalleryStore, _face_info
+from gallery.store.db import Database
+from gallery.store.models import ChangeOp, Collection, Face, FaceChange, Identity
+from gallery.store.store import FaceInfo, GalleryStore, _face_info
 
 
 @dataclass(frozen=True)

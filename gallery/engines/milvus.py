@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from gallery.engines import Faces, IndexInfo
-from gallery.store import CollectionInfo
+from gallery.engines.base import Faces, IndexInfo
+from gallery.store.store import CollectionInfo
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The source of truth: the SQL database (schema, migrations, transactions, faces, keys)."""
