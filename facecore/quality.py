@@ -16,6 +16,7 @@ from enum import StrEnum
 import numpy as np
 from numpy.typing import NDArray
 
+from facecore.limits import setting
 from facecore.processing import ARCFACE_TEMPLATE_112
 
 # Nose position between the eye line (0) and the mouth line (1) on the frontal template.
@@ -36,12 +37,14 @@ class Rejection(StrEnum):
 
 @dataclass(frozen=True)
 class QualityThresholds:
-    min_face_size: float = 40.0  # shorter side of the box, pixels
-    min_blur: float = 40.0  # variance of the Laplacian of the 112x112 aligned crop
-    max_yaw: float = 45.0  # degrees
-    max_pitch: float = 40.0
-    max_roll: float = 45.0
-    min_detection_score: float = 0.75
+    """The enrollment quality gate; also the settings section ``FACEREC_QUALITY__*``."""
+
+    min_face_size: float = setting(40.0, "shorter box side, pixels")
+    min_blur: float = setting(40.0, "variance of the Laplacian of the crop")  # the 112x112 aligned crop
+    max_yaw: float = setting(45.0, "degrees, estimated from landmarks")
+    max_pitch: float = setting(40.0, "degrees, estimated from landmarks")
+    max_roll: float = setting(45.0, "degrees, from the eye line")
+    min_detection_score: float = setting(0.75, "detector score")
 
 
 @dataclass(frozen=True)

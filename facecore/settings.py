@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import URL
 
-from facecore.limits import DEFAULT_LIMITS, Limits
+from facecore.limits import Limits
 from facecore.quality import QualityThresholds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,43 +86,6 @@ class SecuritySettings(BaseModel):
         return value
 
 
-_LIMITS = DEFAULT_LIMITS
-
-
-class LimitSettings(BaseModel):
-    max_upload_bytes: int = Field(_LIMITS.max_upload_bytes, gt=0,
-                                  description="413 above this request body size")
-    max_pixels: int = Field(_LIMITS.max_pixels, gt=0,
-                            description="413 above this many pixels (decompression bombs)")
-    # face_pipeline is exported with max_faces = DEFAULT_LIMITS.max_faces: it refuses to return more.
-    max_faces: int = Field(_LIMITS.max_faces, gt=0, le=_LIMITS.max_faces,
-                           description="faces detected per image at most")
-    max_batch_images: int = Field(_LIMITS.max_batch_images, gt=0,
-                                  description="images per batch identify or enroll call")
-    request_timeout_s: float = Field(_LIMITS.request_timeout_s, gt=0, description="504 after this")
-    max_k: int = Field(_LIMITS.max_k, gt=0, description="largest top-k a caller may ask for")
-    max_in_flight: int = Field(_LIMITS.max_in_flight, gt=0,
-                               description="recognition requests in the gateway at once; beyond, "
-                                           "503 overloaded")
-
-    def values(self) -> Limits:
-        return Limits(**self.model_dump())
-
-
-class QualitySettings(BaseModel):
-    """Enrollment quality gate (see facecore/quality.py)."""
-
-    min_face_size: float = Field(QualityThresholds.min_face_size, description="shorter box side, pixels")
-    min_blur: float = Field(QualityThresholds.min_blur, description="variance of the Laplacian of the crop")
-    max_yaw: float = Field(QualityThresholds.max_yaw, description="degrees, estimated from landmarks")
-    max_pitch: float = Field(QualityThresholds.max_pitch, description="degrees, estimated from landmarks")
-    max_roll: float = Field(QualityThresholds.max_roll, description="degrees, from the eye line")
-    min_detection_score: float = Field(QualityThresholds.min_detection_score, description="detector score")
-
-    def thresholds(self) -> QualityThresholds:
-        return QualityThresholds(**self.model_dump())
-
-
 class DeepStackSettings(BaseModel):
     """The DeepStack-compatible face API (``/v1/vision/face/...``) serves one collection."""
 
@@ -135,8 +98,10 @@ class Settings(BaseSettings):
     triton: TritonSettings = TritonSettings()
     database: DatabaseSettings = DatabaseSettings()
     gallery: GallerySettings = GallerySettings()
-    limits: LimitSettings = LimitSettings()
-    quality: QualitySettings = QualitySettings()
+    # Plain dataclasses (facecore/limits.py, facecore/quality.py): pydantic validates them from their
+    # fields' metadata (descriptions, bounds), as it does the models above.
+    limits: Limits = Limits()
+    quality: QualityThresholds = QualityThresholds()
     deepstack: DeepStackSettings = DeepStackSettings()
     log_json: bool = Field(False, description="one JSON object per log line (the container images set true)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")

@@ -49,7 +49,7 @@ def _import(args: argparse.Namespace) -> int:
     if args.report:
         check_report_path(args.report)
     items = scan_folder(args.folder) if args.folder else read_manifest(args.manifest)
-    quality = replace(args.settings.quality.thresholds(), min_face_size=args.min_face_size,
+    quality = replace(args.settings.quality, min_face_size=args.min_face_size,
                       min_blur=args.min_blur)
     importing = _import_rest if args.api else _import_local
     done: list[ItemResult] = []
@@ -91,7 +91,7 @@ async def _import_local(args: argparse.Namespace, items: list[Any], quality: Any
                              f"embeddings but Triton serves {spec.name} ({spec.embedding_dim}-d): import "
                              f"into another collection, or `reembed` this one first")
         options = ImportOptions(args.collection, spec.name, args.concurrency, args.dry_run,
-                                args.largest_face, quality, args.settings.limits.values())
+                                args.largest_face, quality, args.settings.limits)
         return await Importer(store, client, options).run(items, not args.quiet, done)
     finally:
         await client.close()
@@ -101,7 +101,7 @@ async def _import_rest(args: argparse.Namespace, items: list[Any], quality: Any,
                        done: list[Any]) -> list[Any]:
     """Through a deployed stack's REST API with a key (the server's quality gate applies)."""
     options = ImportOptions(args.collection, "", args.concurrency, args.dry_run, args.largest_face, quality,
-                            args.settings.limits.values())
+                            args.settings.limits)
     backend = RestBackend(args.api, args.key, options, args.settings.limits.request_timeout_s * 2)
     try:
         info = await backend.ensure_collection(args.create_collection)

@@ -25,6 +25,7 @@ import sys
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +110,10 @@ def settings_variables() -> dict[str, object]:
     out: dict[str, object] = {}
     for name, field in GatewaySettings.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if isinstance(annotation, type) and is_dataclass(annotation):  # limits, quality: plain dataclasses
+            for sub in fields(annotation):
+                out[f"FACEREC_{name.upper()}__{sub.name.upper()}"] = getattr(field.get_default(), sub.name)
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
             section_default = None if field.is_required() else field.get_default(call_default_factory=True)
             for sub, sub_field in annotation.model_fields.items():
                 variable = f"FACEREC_{name.upper()}__{sub.upper()}"

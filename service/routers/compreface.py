@@ -10,6 +10,7 @@ import functools
 import math
 import re
 import time
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Request, status
@@ -110,10 +111,10 @@ async def add_example(collection: CollectionDep, image: ImageDep, service: Servi
                       subject: Annotated[str, Query(min_length=1, max_length=256, pattern=r"^[^/\s][^/]*$")],
                       det_prob_threshold: DetProb = None) -> cf.CfExample:
     if det_prob_threshold is not None and det_prob_threshold > settings.quality.min_detection_score:
-        rules_quality = settings.quality.model_copy(update={"min_detection_score": det_prob_threshold})
+        rules_quality = replace(settings.quality, min_detection_score=det_prob_threshold)
     else:
         rules_quality = settings.quality
-    enrolled = await service.enroll(collection, subject, [image], EnrollmentRules(rules_quality.thresholds()),
+    enrolled = await service.enroll(collection, subject, [image], EnrollmentRules(rules_quality),
                                     create=(subject, {}))
     return cf.CfExample(image_id=str(enrolled.faces[0].id), subject=subject)
 

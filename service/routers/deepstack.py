@@ -255,7 +255,7 @@ async def register(request: Request, settings: SettingsDep, keys: KeysDep, servi
     userid = str(uploaded.fields.get("userid") or "").strip()
     if not userid or "/" in userid or len(userid) > 256:
         raise DeepStackError(400, "userid not specified (or longer than 256 characters, or with a '/')")
-    rules = EnrollmentRules(settings.quality.thresholds(), FaceChoice.LARGEST)
+    rules = EnrollmentRules(settings.quality, FaceChoice.LARGEST)
     with _slot(request):
         enrolled = await service.enroll(name, userid, uploaded.images, rules, create=(userid, {}))
     new = len(await asyncio.to_thread(service.store.list_faces, name, userid)) == len(enrolled.faces)

@@ -130,7 +130,7 @@ async def _enroll(collection: str, external_id: str, request: Request, call: Adm
                        errors=[{"loc": ["body", n], "msg": "unknown field", "type": "extra_forbidden"}
                                for n in unknown])
     choice = face_choice(one_value("face", face, uploaded.fields.get("face")))
-    rules = EnrollmentRules(settings.quality.thresholds(), choice,
+    rules = EnrollmentRules(settings.quality, choice,
                             parse_box(one_value("box", box, uploaded.fields.get("box"))))
     return enroll_response(await service.enroll(collection, external_id, uploaded.images, rules,
                                                 (name, {}) if create else None))
