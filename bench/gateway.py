@@ -158,7 +158,7 @@ async def measure(url: str, requests: int, rounds: int, concurrency: int, parts:
             client = AsyncPipelineClient(url)
             reference = aioclient.InferenceServerClient(url)
             recorded = await client.infer(photos[PROBE], max_faces=MAX_FACES)
-            app.state.faces.pipeline = RecordedPipeline(recorded, await client.embedder())
+            app.state.recognition.pipeline = RecordedPipeline(recorded, await client.embedder())
             body, content_type = multipart_body("image", PROBE, photos[PROBE])
             path = f"/v1/collections/{COLLECTION}/identify"
 

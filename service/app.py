@@ -2,7 +2,9 @@
 
 Clients live on ``app.state`` (no module globals): the Triton gRPC client, the database engine,
 the gallery (its indexes follow the database change log in a background thread, so replicas stay
-consistent), the API keys and the metrics registry.
+consistent), the API keys and the metrics registry; beside them the use cases the routes call
+(``app.state.recognition``, a ``recognition.usecases.Recognition``) and the readiness probe that sends a real
+photo through face_pipeline (``app.state.recognition_check``).
 """
 
 from __future__ import annotations
@@ -91,11 +93,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     keys.start_watch(settings.gallery.follow_interval_s)
     metrics: Metrics = app.state.metrics
     metrics.watch_gallery(gallery.sizes, gallery.reselection_state)
-    app.state.faces = Recognition(pipeline, gallery, store, settings.limits.max_faces,
-                                  metrics.observe_pipeline)
-    app.state.recognition = RecognitionCheck(pipeline, probe_image(), settings.triton.probe_interval_s)
-    await app.state.recognition.refresh()  # logs whether recognition works at start-up
-    probing = asyncio.create_task(app.state.recognition.run())
+    app.state.recognition = Recognition(pipeline, gallery, store, settings.limits.max_faces,
+                                        metrics.observe_pipeline)
+    app.state.recognition_check = RecognitionCheck(pipeline, probe_image(), settings.triton.probe_interval_s)
+    await app.state.recognition_check.refresh()  # logs whether recognition works at start-up
+    probing = asyncio.create_task(app.state.recognition_check.run())
     snapshots = asyncio.create_task(_snapshot_periodically(
         gallery, settings.gallery.snapshot_interval_s, settings.gallery.erasure_snapshot_delay_s))
     log.info("gateway ready: triton %s, database %s", settings.triton.url, engine.url.render_as_string())

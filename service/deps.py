@@ -43,7 +43,7 @@ async def get_settings(request: Request) -> GatewaySettings:
 
 
 async def get_service(request: Request) -> Recognition:
-    service: Recognition = request.app.state.faces
+    service: Recognition = request.app.state.recognition
     return service
 
 
@@ -138,7 +138,7 @@ class Admitted:
 
 def _admitted(request: Request, caller: Principal) -> Admitted:
     state = request.app.state
-    return Admitted(caller, state.faces, state.settings, state.admission)
+    return Admitted(caller, state.recognition, state.settings, state.admission)
 
 
 async def admitted(request: Request) -> Admitted:

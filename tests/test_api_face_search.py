@@ -34,7 +34,7 @@ def search(api: Api, face_id: int, key: str | None = None, **params: Any) -> Any
 
 
 def cosine(api: Api, a: int, b: int) -> float:
-    records = api.app.state.faces.faces
+    records = api.app.state.recognition.faces
     return float(records.get("p", a).vector @ records.get("p", b).vector)
 
 

@@ -123,7 +123,7 @@ def test_gateway_is_not_ready_when_recognition_fails(broken_triton: TritonServer
 @pytest.mark.triton
 def test_gateway_probes_at_start_up(start_api: StartApi, cpu_repository: Path) -> None:
     api = start_api()
-    check: RecognitionCheck = api.app.state.recognition
+    check: RecognitionCheck = api.app.state.recognition_check
     assert check.last.ok and check.last.detail == "1 face, 128-d embedding", "probed before the first request"
     assert api.ok(api.client.get("/health/ready"))["ready"] is True
 

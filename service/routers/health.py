@@ -38,13 +38,13 @@ async def live() -> Liveness:
             responses={503: {"model": Readiness}})
 async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONResponse:
     pipeline: AsyncPipelineClient = request.app.state.pipeline
-    recognition: RecognitionCheck = request.app.state.recognition
+    check: RecognitionCheck = request.app.state.recognition_check
     supervised: Callable[[], TritonStatus] | None = getattr(request.app.state, "triton_status", None)
     triton, database = await asyncio.gather(pipeline.ready(CHECK_TIMEOUT_S), _database_answers(store))
     if triton:
-        probe = await recognition.result()
+        probe = await check.result()
     else:  # and the next probe must not reuse a success from before the outage
-        probe = recognition.invalidate("not checked: face_pipeline is not ready in Triton")
+        probe = check.invalidate("not checked: face_pipeline is not ready in Triton")
     checks = {"triton": triton, "recognition": probe.ok, "database": database, "gallery": gallery.loaded}
     details = {} if probe.ok else {"recognition": probe.detail}
     if not triton:
