@@ -99,7 +99,7 @@ def rewrite_prelu(model: onnx.ModelProto) -> onnx.ModelProto:
     """PRelu(x, a) -> Relu(x) - a * Relu(-x): the same values, computed with ONNX Runtime's fast kernels.
 
     On CPU, ONNX Runtime's PRelu with a per-channel slope is a slow broadcast and forces NCHWc layout
-    reorders around it: measured on SFace it was half of the whole network's time. The rewrite is
+    reorders around it: on SFace it dominated the whole network's time. The rewrite is
     exact (slopes of any sign), unlike the common ``Max(x, a * x)`` which needs 0 <= a <= 1.
     """
     nodes: list[onnx.NodeProto] = []
@@ -133,8 +133,8 @@ def uint8_nhwc_input(model: onnx.ModelProto, input_name: str, swap_rb: bool,
 
     The arithmetic runs on the NCHW planes, a [1, C, 1, 1] constant per plane, and the Cast comes first
     (TensorRT takes a uint8 input only into a cast): on ONNX Runtime, subtracting a [C] mean along the
-    innermost axis of NHWC before the transpose took 4.7 ms for a 640x640 image, this order 1.3 ms, with
-    the same floats (one thread, 2-core Xeon).
+    innermost axis of NHWC before the transpose was several times slower, with the same floats
+    (docs/benchmarks/README.md).
     """
     graph = model.graph
     (old,) = [i for i in graph.input if i.name == input_name]

@@ -6,17 +6,16 @@ same faces found, box IoU >= 0.95, embedding cosine >= 0.99 on every face, and i
 same/different between every pair of faces, the face that enrollment with ``face=largest`` takes in
 every image, and the quality gate's verdict on every face. A decision whose measure sits on its threshold
 in the reference may come out either way (a pair's cosine within ``PAIR_MARGIN`` of the match threshold, a
-gate measure within ``GATE_MARGIN`` of its limit): on an H200, TF32 moved the blur of a 28-pixel face from
-40.04 to 39.99 against the gate's 40, and float16 moves blur up to 0.5 % and pair cosines up to 0.0045
-(``python -m bench.gpu``, docs/gpu-plan.md), so without those margins a correct plan was refused by
-chance. The test photos are checked as they are and
-downscaled (0.5x, 0.3x), so that small faces — where reduced precision moves landmarks most — are part
-of it. A precision that fails is not used; the export logs why and records every check beside the model.
+gate measure within ``GATE_MARGIN`` of its limit): on an H200, TF32 moved the blur of a 28-pixel face
+across the gate's 40 (``python -m bench.gpu``, docs/gpu-plan.md), so without those margins a correct plan
+was refused by chance. The test photos are checked as they are and downscaled (0.5x, 0.3x), so that small
+faces — where reduced precision moves landmarks most — are part of it. A precision that fails is not
+used; the export logs why and records every check beside the model.
 
-With ``auto``, bf16 must also be faster: some CPUs report bfloat16 and run it slower than f32 (measured:
-a 2-core Intel Xeon, CPU model 207, without AMX: SFace 1.4-1.6x and the detector 1.2-1.35x slower in
-bf16), so both precisions are timed on this CPU, interleaved, and bf16 is tried only when it is at least
-``BF16_SPEEDUP`` times faster than f32 on one thread (how each network runs under load).
+With ``auto``, bf16 must also be faster: some CPUs report bfloat16 and run it slower than f32 (a Xeon
+without AMX: docs/benchmarks/tuning.md, "bf16 where it is faster"), so both precisions are timed on this
+CPU, interleaved, and bf16 is tried only when it is at least ``BF16_SPEEDUP`` times faster than f32 on
+one thread (how each network runs under load).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ benchmarks, the importer's re-embedding) and asyncio (the gateway, the importer)
 Requests and results follow ``facecore.contract``; every Triton error becomes a ``PipelineError``.
 The ``face_pipeline`` call, the one every recognition request makes, is sent on the channel with its
 request serialized and its response read here (``request_bytes``, ``faces_from_response``): tritonclient's
-``InferInput`` / ``InferResult`` wrappers around the same protobuf messages cost the gateway 0.1-0.3 ms
-more CPU per call, and protobuf's own serializer copies a 280 KB photo for 0.2 ms where one join takes
-0.01 (``python -m bench.gateway`` measures the clients side by side; docs/benchmarks/README.md).
+``InferInput`` / ``InferResult`` wrappers around the same protobuf messages cost the gateway more CPU per
+call, and protobuf's own serializer copies the photo where one join around it is enough
+(``python -m bench.gateway`` measures the clients side by side; docs/benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def _input(name: str, array: NDArray[Any], dtype: DataType) -> grpcclient.InferI
 
 
 #: The most a channel waits between attempts to reconnect to a Triton that went away. gRPC's default grows
-#: to 120 s, and a call does not bring the next attempt forward: after an outage of 45 s the gateway went
-#: on answering 503 for 27 s more with Triton back up (a probe against a small gRPC server). Reconnecting
-#: to one known server every 2 s at most costs nothing.
+#: to 120 s, and a call does not bring the next attempt forward: after an outage the gateway went on
+#: answering 503 long after Triton was back up. Reconnecting to one known server every 2 s at most costs
+#: nothing.
 MAX_RECONNECT_BACKOFF_MS = 2000
 
 

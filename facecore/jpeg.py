@@ -2,8 +2,7 @@
 
 libjpeg-turbo is also what OpenCV's ``imdecode`` runs (simplejpeg bundles its own build): the same pixels,
 bit-identical on the test photos at full size and at 1/2, 1/4, 1/8 scale, but ``imdecode`` spends more
-around it: 5.7 -> 4.0 ms for obama.jpg (910x1137, 4:4:4), 2.6 -> 1.8 ms for t1.jpg at 1/2 on a 2-core
-Xeon (one call at a time). The fast path is taken only when it is sure to give what OpenCV gives; for
+time around it. The fast path is taken only when it is sure to give what OpenCV gives; for
 anything else (a JPEG TurboJPEG cannot read, a damaged file, EXIF it cannot read, simplejpeg not
 installed) ``decode`` returns None and the caller decodes with OpenCV as before.
 """

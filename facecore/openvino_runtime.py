@@ -25,12 +25,10 @@ log = logging.getLogger(__name__)
 
 #: Entries of a compiled model's cache of shape-specific primitives (OpenVINO's
 #: ``CPU_RUNTIME_CACHE_CAPACITY``, 5000 by default). The detector's input follows each image's aspect ratio,
-#: and each new input shape compiles and keeps about 70 primitives: ~5 MB per shape and compiled model,
-#: never released. With the default, Triton's process tree grew from 833 to 1,868 MiB over 37 shapes
-#: (2-core EPYC, 4 compiled detector copies) and would go on growing with more shapes (a request's
-#: ``min_face_size`` shrinks both sides: hundreds are possible). 500 entries keep about seven shapes' worth:
-#: the common aspect ratios stay compiled, a rare shape costs its primitives again (1-2 ms, measured on
-#: four shapes in turn), and the memory stays bounded.
+#: and each new input shape compiles and keeps about 70 primitives, never released. With the default,
+#: Triton's memory grew with every new shape (a request's ``min_face_size`` shrinks both sides: hundreds
+#: are possible). 500 entries keep about seven shapes' worth: the common aspect ratios stay compiled, a
+#: rare shape compiles its primitives again, and the memory stays bounded.
 RUNTIME_CACHE_CAPACITY = 500
 
 
@@ -65,7 +63,7 @@ def compile_model(path: str | Path, precision: Precision, threads: int = 0) -> o
 
 def compile_models(path: str | Path, precision: Precision, threads: Sequence[int]) -> list[ov.CompiledModel]:
     """The network compiled once per thread count, from one read of the file (the copies then hold only
-    their compiled form: ~50 MB less per extra SFace copy than reading the file again)."""
+    their compiled form, not another copy of the weights)."""
     model = core().read_model(str(path))
     compiled = []
     for count in threads:

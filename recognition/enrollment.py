@@ -147,6 +147,6 @@ def accept_face(faces: Faces, index: int, digest: str, rules: EnrollmentRules, i
 def enrollable_face(faces: Faces, digest: str, rules: EnrollmentRules, image: int | None = None
                     ) -> Enrollable:
     """Choose the face of one image and pass it through the quality gate; ``digest`` is the image's
-    ``image_sha256``, hashed once by the caller (a 280 KB photo takes 0.14 ms)."""
+    ``image_sha256``, hashed once by the caller (the duplicate check and the stored face need it too)."""
     chosen = choose_face(faces, rules, image)
     return Enrollable(accept_face(faces, chosen.index, digest, rules, image), chosen.ignored)

@@ -145,8 +145,8 @@ class Recognition:
         analyzed = await asyncio.gather(*(self.analyze(data, crops=True) for data in images))
 
         def store() -> Enrolled:
-            # the quality gate, each file's sha256 and each crop's PNG (0.4 ms an image) run in this worker
-            # thread too: on the event loop, a 16-image enrolment held every other request for ~7 ms
+            # the quality gate, each file's sha256 and each crop's PNG run in this worker thread too: on
+            # the event loop, a 16-image enrolment held every other request for all of them
             chosen = [enrollable_face(faces, image_sha256(data), rules, index)
                       for index, (data, faces) in enumerate(zip(images, analyzed, strict=True))]
             identity, stored = self.store.add_faces(collection, external_id, [c.face for c in chosen],

@@ -1,14 +1,13 @@
 """Dependency aliases: the routes ask for what they need; the lifespan put it on ``app.state``.
 
-Each dependency FastAPI solves costs CPU on every request (20-60 us on the project's 2-core machines:
-FastAPI 0.16x classifies and caches every node of the tree per request, a generator dependency enters an
-exit stack), so the routes that nearly every request takes (identify, detect, verify, enroll) ask for one
-plain dependency: ``AdmittedDep`` / ``AdmittedCollectionDep`` check the key (and the collection) by calling
-the two security schemes rather than solving them, and hand over the use cases, the settings and the
-in-flight limit, whose slot the route holds around its work (``with call.slot():``, 503 ``overloaded``
-beyond the limit). Their operations list the two schemes in the OpenAPI document through
-``KEY_SECURITY``. Eleven nodes became one on identify (``python -m bench.gateway`` measures the gateway's
-own CPU per identify).
+Each dependency FastAPI solves costs CPU on every request (FastAPI 0.16x classifies and caches every node of
+the tree per request, a generator dependency enters an exit stack), so the routes that nearly every request
+takes (identify, detect, verify, enroll) ask for one plain dependency: ``AdmittedDep`` /
+``AdmittedCollectionDep`` check the key (and the collection) by calling the two security schemes rather than
+solving them, and hand over the use cases, the settings and the in-flight limit, whose slot the route holds
+around its work (``with call.slot():``, 503 ``overloaded`` beyond the limit). Their operations list the two
+schemes in the OpenAPI document through ``KEY_SECURITY``. Eleven nodes became one on identify
+(``python -m bench.gateway`` measures the gateway's own CPU per identify).
 """
 
 from __future__ import annotations

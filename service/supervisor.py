@@ -77,7 +77,7 @@ class Supervisor:
 
     def _watch(self) -> None:
         attempts, started = 0, time.monotonic()
-        # one look every WATCH_S: Popen.wait(timeout) looked every 50 ms or less (3 ms of CPU per second)
+        # one look every WATCH_S: Popen.wait(timeout) looks every 50 ms or less, CPU spent for nothing
         while not self._stop.wait(WATCH_S) and self.server is not None:
             code = self.server.exit_code()
             if code is None:
