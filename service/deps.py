@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
@@ -36,36 +36,20 @@ _bearer = HTTPBearer(auto_error=False, description="the same key as a bearer tok
 KEY_SECURITY: list[dict[str, list[str]]] = [{_api_key.scheme_name: []}, {_bearer.scheme_name: []}]
 
 
-async def get_settings(request: Request) -> GatewaySettings:
-    settings: GatewaySettings = request.app.state.settings
-    return settings
+def _from_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency that hands over ``app.state.<name>``, which the lifespan set."""
+
+    async def dependency(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    return dependency
 
 
-async def get_service(request: Request) -> Recognition:
-    service: Recognition = request.app.state.recognition
-    return service
-
-
-async def get_store(request: Request) -> GalleryStore:
-    store: GalleryStore = request.app.state.store
-    return store
-
-
-async def get_gallery(request: Request) -> Gallery:
-    gallery: Gallery = request.app.state.gallery
-    return gallery
-
-
-async def get_keys(request: Request) -> KeyStore:
-    keys: KeyStore = request.app.state.keys
-    return keys
-
-
-SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
-ServiceDep = Annotated[Recognition, Depends(get_service)]
-StoreDep = Annotated[GalleryStore, Depends(get_store)]
-GalleryDep = Annotated[Gallery, Depends(get_gallery)]
-KeysDep = Annotated[KeyStore, Depends(get_keys)]
+SettingsDep = Annotated[GatewaySettings, Depends(_from_state("settings"))]
+ServiceDep = Annotated[Recognition, Depends(_from_state("recognition"))]
+StoreDep = Annotated[GalleryStore, Depends(_from_state("store"))]
+GalleryDep = Annotated[Gallery, Depends(_from_state("gallery"))]
+KeysDep = Annotated[KeyStore, Depends(_from_state("keys"))]
 
 
 async def lookup_key(keys: KeyStore, presented: str) -> Principal | None:
