@@ -1,7 +1,8 @@
-"""Reading README.md for ``tests/test_readme.py``: sections, code blocks, commands, the configuration table,
-links and curl calls; plus a real gateway (uvicorn in a thread) for the curl examples to run against.
+"""Reading README.md and the pages of docs/ for ``tests/test_readme.py``: sections, code blocks, commands,
+tables, links and anchors, curl calls; plus a real gateway (uvicorn in a thread) for the curl examples to
+run against.
 
-Nothing here knows what the README says: the tests decide what must hold.
+Nothing here knows what the pages say: the tests decide what must hold.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+README = "README.md"
 
 _FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 _HEADING = re.compile(r"^## (?!#)(.+?)[ \t]*$", re.M)
@@ -30,10 +31,16 @@ _INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)?)`")  # an inline span may wrap on
 _COMMAND = re.compile(r"(?:\.venv/bin/)?python3? -m ([A-Za-z_][\w.]*)(.*)")
 _OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+_ANY_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
+
+
+def page_text(name: str = README) -> str:
+    """A page of the repository by its path from the root (``README.md``, ``docs/api.md``)."""
+    return (ROOT / name).read_text(encoding="utf-8")
 
 
 def readme_text() -> str:
-    return README.read_text(encoding="utf-8")
+    return page_text(README)
 
 
 def sections(text: str) -> dict[str, str]:
@@ -49,7 +56,7 @@ def sections(text: str) -> dict[str, str]:
 
 def section(text: str, title: str) -> str:
     found = sections(text)
-    assert title in found, f"README.md has no '## {title}' section (sections: {list(found)})"
+    assert title in found, f"the page has no '## {title}' section (sections: {list(found)})"
     return found[title]
 
 
@@ -138,8 +145,19 @@ def unquote_code(cell: str) -> str:
 
 def relative_links(text: str) -> list[str]:
     """Targets of Markdown links that point into the repository (no scheme, no pure anchor)."""
-    targets = [t for t in _LINK.findall(text) if not re.match(r"^[a-z][a-z0-9+.-]*:|^#", t)]
-    return [t.split("#", 1)[0] for t in targets]
+    return [path for path, _ in local_links(text) if path]
+
+
+def local_links(text: str) -> list[tuple[str, str]]:
+    """``(path, anchor)`` of every Markdown link without a scheme; ``path`` is empty for ``(#anchor)``."""
+    targets = [t for t in _LINK.findall(prose(text)) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
+    return [(path, anchor) for path, _, anchor in (t.partition("#") for t in targets)]
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of ``text``: lower case, punctuation dropped, spaces -> ``-``."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in _ANY_HEADING.findall(prose(text))}
 
 
 # --- curl -------------------------------------------------------------------------------------------

@@ -42,9 +42,11 @@ from recognition.__main__ import parser as recognition_parser
 from recognition.usecases import confidence
 from service.app import create_app
 from tests.readme_runner import (
+    README,
     ROOT,
     Command,
     CurlCall,
+    anchors,
     code_blocks,
     comment_of,
     curl_calls,
@@ -52,8 +54,10 @@ from tests.readme_runner import (
     curl_script,
     explain,
     free_port,
+    local_links,
     logical_lines,
     openapi_route,
+    page_text,
     prose,
     python_commands,
     readme_text,
@@ -72,6 +76,9 @@ if TYPE_CHECKING:
 
 ADMIN_KEY = "readme-admin-key-0123456789abcdef"
 REST = "REST API (v1)"
+#: The pages whose links and paths are checked: the README and the docs/ pages the project keeps true to
+#: the code (docs/benchmarks/, gallery-scale, gpu-plan, compat and calibration report runs and designs).
+PAGES = (README, "docs/deploy.md", "docs/architecture.md")
 
 
 def _subcommands(parser: Any) -> set[str]:
@@ -502,22 +509,31 @@ def test_service_prints_the_banner_the_readme_shows(text: str, triton: TritonSer
 
 # --- 4. links and paths -------------------------------------------------------------------------------
 
-#: Paths the README names that a checkout has only after `make run` / `make test` or that the user makes.
+#: Paths the pages name that a checkout has only after `make run` / `make test` or that the user makes.
 GENERATED = ("data/", "artifacts/", "people/", "people.csv", "my_", "import-report.csv", "r50.onnx",
-             "r100.onnx", "model_repository/cpu", "model_repository/gpu", "model_repository/arcface")
+             "r100.onnx", "model_repository/cpu", "model_repository/gpu", "model_repository/arcface",
+             "model_repository/ngc-cpu", "deploy/k8s/secrets.env")
 
 
-def test_relative_links_and_named_paths_exist(text: str) -> None:
-    links = relative_links(text)
-    assert {"docs/calibration.md", "docs/deploy.md", "docs/benchmarks/"} <= set(links), links
-    missing = [link for link in links if not (ROOT / link).exists()]
-    assert not missing, f"README links to missing files: {missing}"
+@pytest.mark.parametrize("name", PAGES)
+def test_relative_links_and_named_paths_exist(name: str) -> None:
+    text = page_text(name)
+    folder = (ROOT / name).parent
+    for path, anchor in local_links(text):
+        target = (folder / path).resolve() if path else ROOT / name
+        assert target.exists(), f"{name} links to {path}, which does not exist"
+        if anchor and target.suffix == ".md":
+            assert anchor in anchors(target.read_text()), f"{name} links to {path}#{anchor}: no such heading"
     tops = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} | {".ci"}
     named = {span for span in re.findall(r"`([^`\s]+)`", prose(text))
-             if "/" in span and span.split("/", 1)[0] in tops and not span.startswith(GENERATED)}
-    assert len(named) >= 10, named
+             if "/" in span and span.split("/", 1)[0] in tops and not span.startswith(GENERATED)
+             and "*" not in span}  # a glob (`tests/test_deploy*.py`) names several files
     missing = sorted(p for p in named if not (ROOT / p).exists())
-    assert not missing, f"README names paths that do not exist: {missing}"
+    assert not missing, f"{name} names paths that do not exist: {missing}"
+
+
+def test_readme_links_the_main_pages(text: str) -> None:
+    assert {"docs/calibration.md", "docs/deploy.md", "docs/benchmarks/"} <= set(relative_links(text))
 
 
 def test_readme_helpers_parse_what_they_claim() -> None:
