@@ -76,9 +76,10 @@ if TYPE_CHECKING:
 
 ADMIN_KEY = "readme-admin-key-0123456789abcdef"
 REST = "REST API (v1)"
+CONFIGURATION = "docs/configuration.md"
 #: The pages whose links and paths are checked: the README and the docs/ pages the project keeps true to
 #: the code (docs/benchmarks/, gallery-scale, gpu-plan, compat and calibration report runs and designs).
-PAGES = (README, "docs/deploy.md", "docs/architecture.md")
+PAGES = (README, CONFIGURATION, "docs/deploy.md", "docs/architecture.md")
 
 
 def _subcommands(parser: Any) -> set[str]:
@@ -139,14 +140,14 @@ def as_readme_value(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def test_configuration_table_is_the_settings(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = table(section(text, "Configuration"))
+def test_configuration_table_is_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = table(section(page_text(CONFIGURATION), "Environment variables"))
     readme = {unquote_code(row["variable"]): unquote_code(row["default"]) for row in rows}
     assert all(row["meaning"].strip() for row in rows), "a configuration row without a meaning"
     assert len(readme) == len(rows), "a variable is listed twice"
     code = settings_variables()
     assert sorted(readme) == sorted(code), (
-        f"README lists {sorted(set(readme) - set(code))} that GatewaySettings ignores and misses "
+        f"{CONFIGURATION} lists {sorted(set(readme) - set(code))} that GatewaySettings ignores and misses "
         f"{sorted(set(code) - set(readme))}")
     for variable, default in code.items():
         if default is ...:
@@ -154,7 +155,7 @@ def test_configuration_table_is_the_settings(text: str, monkeypatch: pytest.Monk
             continue
         documented = readme[variable].replace("<repo>", str(ROOT))
         assert documented == as_readme_value(default), (
-            f"{variable}: README default {readme[variable]!r}, code default {as_readme_value(default)!r}")
+            f"{variable}: documented default {readme[variable]!r}, code default {as_readme_value(default)!r}")
     assert readme["FACEREC_SECURITY__ADMIN_KEY"] == "(required)"
     # The documented variables really are read: one nested and one top-level, from the environment.
     monkeypatch.setenv("FACEREC_LIMITS__MAX_K", "7")
@@ -292,8 +293,9 @@ def test_make_targets_are_what_ci_runs(text: str) -> None:
     for target in ("run", "test"):
         assert re.search(rf"^{target}:", makefile, re.M), f"no `{target}` target in the Makefile"
     # `make run accepts PORT=8080 and TRITON_PORTS="8000 8001 8002"`: the Makefile's defaults, passed on.
-    port = re.search(r"`PORT=(\d+)`", text)
-    ports = re.search(r'`TRITON_PORTS="([\d ]+)"`', text)
+    configuration = page_text(CONFIGURATION)
+    port = re.search(r"`PORT=(\d+)`", configuration)
+    ports = re.search(r'`TRITON_PORTS="([\d ]+)"`', configuration)
     assert port and ports
     assert re.search(rf"^PORT \?= {port.group(1)}$", makefile, re.M)
     assert re.search(rf"^TRITON_PORTS \?= {ports.group(1)}$", makefile, re.M)
@@ -301,14 +303,15 @@ def test_make_targets_are_what_ci_runs(text: str) -> None:
                      makefile, re.M)
 
 
-#: Commands the README names whose options stand apart from the command (`--latest` to undo ...).
+#: Commands the pages name whose options stand apart from the command (`--latest` to undo ...).
 EXTRA_OPTIONS = {("service", None): {"--triton-url"}, ("export", "pin"): {"--latest"},
                  ("service.launcher", None): set(), ("export", None): set()}
 
 
-def readme_commands(text: str) -> dict[tuple[str, str | None], set[str]]:
+def page_commands() -> dict[tuple[str, str | None], set[str]]:
+    """Every ``python -m`` command of the checked pages, by (module, sub-command), with the options shown."""
     commands: dict[tuple[str, str | None], set[str]] = {}
-    for command in python_commands(text, SUBCOMMANDS):
+    for command in python_commands("\n".join(page_text(name) for name in PAGES), SUBCOMMANDS):
         commands.setdefault((command.module, command.subcommand), set()).update(command.options)
     for key, options in EXTRA_OPTIONS.items():
         commands.setdefault(key, set()).update(options)
@@ -316,11 +319,11 @@ def readme_commands(text: str) -> dict[tuple[str, str | None], set[str]]:
 
 
 def test_every_python_command_has_help_with_its_options(text: str) -> None:
-    commands = readme_commands(text)
+    commands = page_commands()
     for needed in [("export", "inspect"), ("export", "pin"), ("export", "repository"),
                    ("gallery", None), ("recognition", "import"), ("service", None), ("bench.pipeline", None),
                    ("bench.gallery", None), ("bench.enroll", None)]:
-        assert needed in commands, f"the README no longer shows python -m {' '.join(filter(None, needed))}"
+        assert needed in commands, f"no page shows python -m {' '.join(filter(None, needed))} any more"
 
     def help_of(key: tuple[str, str | None]) -> subprocess.CompletedProcess[str]:
         module, sub = key
