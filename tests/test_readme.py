@@ -76,10 +76,10 @@ if TYPE_CHECKING:
 
 ADMIN_KEY = "readme-admin-key-0123456789abcdef"
 REST = "REST API (v1)"
-CONFIGURATION = "docs/configuration.md"
+CONFIGURATION, GALLERY, IMPORT = "docs/configuration.md", "docs/gallery.md", "docs/import.md"
 #: The pages whose links and paths are checked: the README and the docs/ pages the project keeps true to
 #: the code (docs/benchmarks/, gallery-scale, gpu-plan, compat and calibration report runs and designs).
-PAGES = (README, CONFIGURATION, "docs/deploy.md", "docs/architecture.md")
+PAGES = (README, CONFIGURATION, GALLERY, IMPORT, "docs/deploy.md", "docs/architecture.md")
 
 
 def _subcommands(parser: Any) -> set[str]:
@@ -337,16 +337,15 @@ def test_every_python_command_has_help_with_its_options(text: str) -> None:
         assert result.returncode == 0, f"{name} --help: {explain(result)}"
         missing = sorted(o for o in options - {"--help"} if not re.search(rf"{o}\b", result.stdout))
         assert not missing, f"{name} --help does not know {missing}:\n{result.stdout}"
-    # The sub-commands the README lists beside `python -m gallery --help` are the real ones.
-    listed = [comment_of(line) for line in lines_of(text, "Gallery", r"-m gallery --help")]
+    # The sub-commands docs/gallery.md lists beside `python -m gallery --help` are the real ones.
+    listed = [comment_of(line) for line in lines_of(page_text(GALLERY), "Commands", r"-m gallery --help")]
     assert listed and set(re.split(r",\s*", listed[0])) == SUBCOMMANDS["gallery"], listed
 
 
 @pytest.mark.triton
-def test_gallery_commands_run(
-    text: str, triton: TritonServer, photos: dict[str, Path], tmp_path: Path
-) -> None:
-    """The README's gallery block, line by line as written, on a scratch database and a small people/ tree."""
+def test_gallery_commands_run(triton: TritonServer, photos: dict[str, Path], tmp_path: Path) -> None:
+    """docs/import.md's commands, then docs/gallery.md's, line by line as written, on a scratch database and
+    a small people/ tree."""
     cwd = workdir(tmp_path / "checkout", ".venv")
     for person, names in {"obama": ["obama.jpg", "obama2.jpg"], "biden": ["biden.jpg"]}.items():
         (cwd / "people" / person).mkdir(parents=True)
@@ -355,7 +354,7 @@ def test_gallery_commands_run(
     shutil.copy(photos["obama3.jpg"], cwd / "obama3.jpg")
     (cwd / "people.csv").write_text("path,external_id,name\nobama3.jpg,obama,Barack Obama\n")
 
-    lines = lines_of(text, "Gallery", r".")
+    lines = lines_of(page_text(IMPORT), "Run it", r".") + lines_of(page_text(GALLERY), "Commands", r".")
     assert all("-m gallery " in line for line in lines), lines
     script = "\n".join(lines)
     assert "--url 127.0.0.1:8001" in script
