@@ -76,10 +76,11 @@ if TYPE_CHECKING:
 
 ADMIN_KEY = "readme-admin-key-0123456789abcdef"
 REST = "REST API (v1)"
-CONFIGURATION, GALLERY, IMPORT = "docs/configuration.md", "docs/gallery.md", "docs/import.md"
+CONFIGURATION = "docs/configuration.md"
+GALLERY, IMPORT, MODELS = "docs/gallery.md", "docs/import.md", "docs/models.md"
 #: The pages whose links and paths are checked: the README and the docs/ pages the project keeps true to
 #: the code (docs/benchmarks/, gallery-scale, gpu-plan, compat and calibration report runs and designs).
-PAGES = (README, CONFIGURATION, GALLERY, IMPORT, "docs/deploy.md", "docs/architecture.md")
+PAGES = (README, CONFIGURATION, GALLERY, IMPORT, MODELS, "docs/deploy.md", "docs/architecture.md")
 
 
 def _subcommands(parser: Any) -> set[str]:
@@ -383,14 +384,14 @@ def bring_your_own_embedder(toml_file: Path, onnx_file: Path, default_models: De
     toml_file.write_text("[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
 
 
-def test_bring_your_own_model_commands_run(text: str, cpu_repository: Path, default_models: DefaultModels,
+def test_bring_your_own_model_commands_run(cpu_repository: Path, default_models: DefaultModels,
                                            tmp_path: Path) -> None:
-    """The README's "your own ArcFace" block in a scratch checkout holding the default CPU repository."""
+    """docs/models.md's "your own ArcFace" block in a scratch checkout holding the default CPU repository."""
     cwd = workdir(tmp_path / "checkout", ".venv", "export", "artifacts")
     shutil.copytree(cpu_repository, cwd / "model_repository" / "cpu")
     own = tmp_path / "w600k_r50.onnx"
     shutil.copy(default_models.embedder_file, own)
-    lines = lines_of(text, "Models", r".")
+    lines = lines_of(page_text(MODELS), "Your own ArcFace (512-d) or RetinaFace R50", r".")
     assert lines and any("-m export repository" in line for line in lines), lines
     script = "\n".join(lines)
     assert "/path/to/w600k_r50.onnx" in script and "my_arcface.toml" in script
@@ -415,7 +416,7 @@ def test_bring_your_own_model_commands_run(text: str, cpu_repository: Path, defa
     assert "arcface_r50" in (served / "face_embedder" / "config.pbtxt").read_text()
 
 
-def test_rollout_and_pin_commands_run(text: str, cpu_repository: Path, default_models: DefaultModels,
+def test_rollout_and_pin_commands_run(cpu_repository: Path, default_models: DefaultModels,
                                       tmp_path: Path) -> None:
     """`Roll out with --version N, roll back with python -m export pin ... --version 1 (and --latest)`."""
     cwd = tmp_path
@@ -434,8 +435,9 @@ def test_rollout_and_pin_commands_run(text: str, cpu_repository: Path, default_m
                    "--embedder", str(spec), "--out", "model_repository/cpu", "--version", "2"], cwd)
     assert rollout.returncode == 0, explain(rollout)
 
-    pins = [c for c in python_commands(text, SUBCOMMANDS) if (c.module, c.subcommand) == ("export", "pin")]
-    assert pins, "the README no longer shows `python -m export pin`"
+    pins = [c for c in python_commands(page_text(MODELS), SUBCOMMANDS)
+            if (c.module, c.subcommand) == ("export", "pin")]
+    assert pins, f"{MODELS} no longer shows `python -m export pin`"
     pin = pins[0].text.split()[2:]  # after `python -m`
     assert pin[:2] == ["export", "pin"] and "--version" in pin, pin
     config = cwd / "model_repository" / "cpu" / "face_embedder" / "config.pbtxt"
@@ -447,7 +449,7 @@ def test_rollout_and_pin_commands_run(text: str, cpu_repository: Path, default_m
     assert result.returncode == 0, explain(result)
     assert re.search(r"latest \{\s*num_versions: 1\s*\}", config.read_text()), config.read_text()
 
-    # Why the README writes an ArcFace into a repository of its own: other tensors than the SFace
+    # Why docs/models.md writes an ArcFace into a repository of its own: other tensors than the SFace
     # already served cannot be a version beside it.
     arcface = tmp_path / "arcface.toml"
     arcface.write_text((ROOT / "export" / "specs" / "arcface_r50_example.toml").read_text()
