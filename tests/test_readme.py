@@ -75,12 +75,12 @@ if TYPE_CHECKING:
     from service.launcher import TritonServer
 
 ADMIN_KEY = "readme-admin-key-0123456789abcdef"
-REST = "REST API (v1)"
-CONFIGURATION = "docs/configuration.md"
+API, CONFIGURATION = "docs/api.md", "docs/configuration.md"
 GALLERY, IMPORT, MODELS = "docs/gallery.md", "docs/import.md", "docs/models.md"
 #: The pages whose links and paths are checked: the README and the docs/ pages the project keeps true to
 #: the code (docs/benchmarks/, gallery-scale, gpu-plan, compat and calibration report runs and designs).
-PAGES = (README, CONFIGURATION, GALLERY, IMPORT, MODELS, "docs/deploy.md", "docs/architecture.md")
+PAGES = (README, API, CONFIGURATION, GALLERY, IMPORT, MODELS, "docs/deploy.md", "docs/architecture.md")
+AT_A_GLANCE = "The API at a glance"
 
 
 def _subcommands(parser: Any) -> set[str]:
@@ -165,7 +165,8 @@ def test_configuration_table_is_the_settings(monkeypatch: pytest.MonkeyPatch) ->
     assert (settings.limits.max_k, settings.log_level) == (7, "DEBUG")
 
 
-def test_limits_and_scores_prose_matches_the_code(text: str) -> None:
+def test_limits_and_scores_prose_matches_the_code() -> None:
+    text = page_text(API)
     limits = GatewaySettings(security={"admin_key": ADMIN_KEY}).limits
     stated = " ".join(section(text, "Limits").split())
     expected = (f"Request body {limits.max_upload_bytes // 2**20} MiB, "
@@ -176,39 +177,48 @@ def test_limits_and_scores_prose_matches_the_code(text: str) -> None:
     assert limits.max_upload_bytes % 2**20 == 0 and limits.max_pixels % 10**6 == 0
     sface = tomllib.loads((ROOT / "export" / "specs" / "sface_2021dec.toml").read_text())["model"]
     threshold = sface["match_threshold"]
-    assert f"(SFace: {threshold}," in " ".join(text.split()), "the SFace threshold differs from its spec"
-    words = " ".join(text.split())
+    words = " ".join(section(text, "Scores, thresholds, unknown").split())
+    assert f"(SFace: {threshold}," in words, "the SFace threshold differs from its spec"
     assert "`confidence` is 0.5 at the threshold and rises to 0.95 at threshold + 0.15" in words
     assert confidence(threshold, threshold) == 0.5
     assert abs(confidence(threshold + 0.15, threshold) - 0.95) < 0.005
 
 
-def test_error_codes_exist_in_the_code(text: str) -> None:
-    rows = table(section(text, REST).split("### Errors", 1)[1])
+def test_error_codes_exist_in_the_code() -> None:
+    rows = table(section(page_text(API), "Errors"))
     codes = {c for row in rows for c in re.findall(r"`([a-z_]+)`", row["codes"])}
     assert len(codes) >= 20
     sources = "\n".join(p.read_text() for folder in ("service", "gallery", "recognition")
                         for p in (ROOT / folder).rglob("*.py"))
     missing = sorted(c for c in codes if f'"{c}"' not in sources)
-    assert not missing, f"error codes in the README that the code never returns: {missing}"
+    assert not missing, f"error codes in {API} that the code never returns: {missing}"
 
 
 # --- 2. REST examples ----------------------------------------------------------------------------------
 
 def rest_blocks(text: str) -> list[str]:
-    blocks = [b.body for b in code_blocks(section(text, REST), "sh")]
-    assert len(blocks) >= 8, "the REST section lost its examples"
+    """docs/api.md's walk-through: every sh block of its Examples section."""
+    blocks = [b.body for b in code_blocks(section(text, "Examples"), "sh")]
+    assert len(blocks) >= 8, f"{API} lost its examples"
+    return blocks
+
+
+def glance_blocks(text: str) -> list[str]:
+    """The README's API at a glance: the sh blocks of that section that call the API."""
+    blocks = [b.body for b in code_blocks(section(text, AT_A_GLANCE), "sh") if "curl " in b.body]
+    assert blocks, "the README lost its API at a glance"
     return blocks
 
 
 def test_curl_routes_are_in_the_openapi_document(text: str) -> None:
     app = create_app(GatewaySettings(security={"admin_key": ADMIN_KEY}))  # the schema needs no lifespan
     paths = app.openapi()["paths"]
-    calls = curl_calls("\n".join(rest_blocks(text)))
+    api = page_text(API)
+    calls = curl_calls("\n".join(rest_blocks(api) + glance_blocks(text)))
     # ... and the operations named in the prose: `GET /health/live`, `GET /metrics`.
     calls += [CurlCall(method, path, ()) for method, path in
-              re.findall(r"`(GET|POST|PATCH|PUT|DELETE) (/[^`\s]*)`", prose(text))]
-    assert len(calls) >= 28
+              re.findall(r"`(GET|POST|PATCH|PUT|DELETE) (/[^`\s]*)`", prose(api + text))]
+    assert len(calls) >= 38
     for call in calls:
         template = openapi_route(paths, call.path)
         assert template is not None, f"{call.method} {call.path}: no such route in the OpenAPI document"
@@ -219,49 +229,53 @@ def test_curl_routes_are_in_the_openapi_document(text: str) -> None:
         assert not unknown, f"{call.method} {call.path}: query parameters {unknown} not in {template}"
     # The prose's options: identify's `?threshold=`, enroll's `face=largest` or a `box`.
     identify = paths["/v1/collections/{collection}/identify"]["post"]
-    assert "`?threshold=`" in text and "threshold" in {p["name"] for p in identify["parameters"]}
+    assert "`?threshold=`" in api and "threshold" in {p["name"] for p in identify["parameters"]}
     enroll = paths["/v1/collections/{collection}/identities/{external_id}/faces"]["post"]
-    assert "`face=largest`" in text and "a `box`" in text
+    assert "`face=largest`" in api and "a `box`" in api
     for content in enroll["requestBody"]["content"].values():
         fields = content["schema"]["properties"]
         assert "largest" in fields["face"]["enum"] and "box" in fields, fields
 
 
-@pytest.mark.triton
-def test_curl_examples_run_in_order(
-    text: str, triton: TritonServer, photos: dict[str, Path], tmp_path: Path
-) -> None:
-    # The README's relative paths (data/admin_key, artifacts/photos) as in a checkout after `make run`.
-    cwd = tmp_path / "checkout"
-    (cwd / "artifacts").mkdir(parents=True)
-    (cwd / "artifacts" / "photos").symlink_to(photos["obama.jpg"].parent)
-    (cwd / "data").mkdir()
-    (cwd / "data" / "admin_key").write_text(ADMIN_KEY + "\n")
-    log = tmp_path / "curl.log"
-    log.touch()
-    settings = GatewaySettings(security={"admin_key": ADMIN_KEY}, triton={"url": triton.grpc_url},
-                        database={"url": f"sqlite:///{tmp_path / 'gallery.db'}"},
-                        gallery={"snapshot_dir": tmp_path / "index"})
-    blocks = rest_blocks(text)
-    with serve(create_app(settings)) as base:
-        result = run(curl_script(blocks, base), cwd, {"README_CURL_LOG": str(log)}, timeout=120)
-    assert result.returncode == 0, explain(result)
+class CurlRun:
+    """The sh blocks of a page run in order against a real gateway, and what each curl answered."""
 
-    calls = curl_log(log.read_text())
-    expected = len(curl_calls("\n".join(blocks)))
-    assert len(calls) == expected, f"{len(calls)} curl calls ran, the README has {expected}"
+    def __init__(self, blocks: list[str], triton: TritonServer, photos: dict[str, Path], tmp_path: Path,
+                 **settings: Any) -> None:
+        # The pages' relative paths (data/admin_key, artifacts/photos) as in a checkout after `make run`.
+        cwd = tmp_path / "checkout"
+        (cwd / "artifacts").mkdir(parents=True)
+        (cwd / "artifacts" / "photos").symlink_to(photos["obama.jpg"].parent)
+        (cwd / "data").mkdir()
+        (cwd / "data" / "admin_key").write_text(ADMIN_KEY + "\n")
+        log = tmp_path / "curl.log"
+        log.touch()
+        gateway = GatewaySettings(security={"admin_key": ADMIN_KEY}, triton={"url": triton.grpc_url},
+                                  database={"url": f"sqlite:///{tmp_path / 'gallery.db'}"},
+                                  gallery={"snapshot_dir": tmp_path / "index"}, **settings)
+        with serve(create_app(gateway)) as base:
+            self.result = run(curl_script(blocks, base), cwd, {"README_CURL_LOG": str(log)}, timeout=120)
+        assert self.result.returncode == 0, explain(self.result)
+        self.calls = curl_log(log.read_text())
+        expected = len(curl_calls("\n".join(blocks)))
+        assert len(self.calls) == expected, f"{len(self.calls)} curl calls ran, the page has {expected}"
 
-    def response(fragment: str, method: str = "") -> Any:
+    def response(self, fragment: str, method: str = "") -> Any:
         """The JSON response of the first call whose arguments contain ``fragment`` (and ``-X method``;
         GET: no ``-X``, ``-d`` nor ``-F``)."""
         def matches(args: str) -> bool:
             if method == "GET":
                 return not re.search(r"(^| )-[XdF] ", args)
             return not method or f"-X {method} " in args
-        found = [body for args, body in calls if fragment in args and matches(args)]
+        found = [body for args, body in self.calls if fragment in args and matches(args)]
         assert found, f"no {method or 'call'} with {fragment!r} ran"
         return json.loads(found[0])
 
+
+@pytest.mark.triton
+def test_api_examples_run_in_order(triton: TritonServer, photos: dict[str, Path], tmp_path: Path) -> None:
+    ran = CurlRun(rest_blocks(page_text(API)), triton, photos, tmp_path)
+    response, calls, result = ran.response, ran.calls, ran.result
     assert response("/v1/collections -H", "POST")["name"] == "staff"
     assert response("/identities -H", "POST")["metadata"] == {"team": "44"}
     assert response("/identities/obama -H", "PATCH")["name"] == "Barack H. Obama"
@@ -281,6 +295,32 @@ def test_curl_examples_run_in_order(
     assert '"decision":"match"' in result.stdout
     deletes = [body for args, body in calls if "DELETE" in args]
     assert len(deletes) == 4 and not any(deletes), "the DELETEs answer 204 without a body"
+
+
+@pytest.mark.triton
+def test_api_at_a_glance_runs_in_order(
+    text: str, triton: TritonServer, photos: dict[str, Path], tmp_path: Path
+) -> None:
+    """The README's one example per capability, the DeepStack API served on the collection its comment
+    names."""
+    blocks = glance_blocks(text)
+    named = re.search(r"FACEREC_DEEPSTACK__COLLECTION=(\w+)", "\n".join(blocks))
+    assert named, "the DeepStack example no longer says which setting it needs"
+    ran = CurlRun(blocks, triton, photos, tmp_path, deepstack={"collection": named.group(1)})
+    enrolled = ran.response("/identities/obama/faces?create=true")
+    assert enrolled["identity"]["name"] == "Barack Obama" and len(enrolled["faces"]) == 2, enrolled
+    identified = ran.response("identify?k=3")["faces"]
+    assert [(f["decision"], f["identity"]["external_id"]) for f in identified] == [("match", "obama")]
+    assert ran.response("/v1/verify")["same"] is True
+    assert len(ran.response("/v1/detect")["faces"]) == 6
+    searched = ran.response("/search?k=3")
+    # the other photo of the same person: a possible duplicate
+    assert searched["decision"] == "match" and searched["identity"]["external_id"] == "obama", searched
+    subjects = ran.response("/api/v1/recognition/recognize")["result"][0]["subjects"]
+    assert subjects[0]["subject"] == "obama", subjects
+    predictions = ran.response("/v1/vision/face/recognize")["predictions"]
+    assert [p["userid"] for p in predictions] == ["obama"], predictions
+    assert ran.response("/health/ready")["ready"] is True
 
 
 # --- 3. other commands ----------------------------------------------------------------------------------
