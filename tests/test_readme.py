@@ -1,15 +1,18 @@
-"""README.md is true to the code: a newcomer can follow it top to bottom.
+"""README.md and the pages of docs/ that hold commands are true to the code: a newcomer can follow them.
 
-- the configuration table lists exactly the environment variables ``Settings`` accepts, with its defaults;
-- the REST examples run, in the order written, as one strict bash script against a real gateway on the
-  real Triton (any HTTP status >= 400 fails it) and every route they use is in the OpenAPI document;
-- every ``python -m ...`` command exits 0 on ``--help`` and knows the options the README gives it; the
-  gallery, model-export and benchmark commands run (on temporary data, never the repository's);
+- the README stays a map (at most 200 lines) that links every page of docs/;
+- docs/configuration.md's table lists exactly the environment variables ``Settings`` accepts, with its
+  defaults; docs/api.md's limits, scores and error codes are the code's;
+- the REST examples (the README's API at a glance, docs/api.md's walk-through) run, in the order written,
+  each as one strict bash script against a real gateway on the real Triton (any HTTP status >= 400 fails
+  it) and every route they use is in the OpenAPI document;
+- every ``python -m ...`` command of these pages exits 0 on ``--help`` and knows the options given it; the
+  gallery, import, model-export and benchmark commands run (on temporary data, never the repository's);
 - ``make run`` / ``make test`` are what CI runs, the start-up banner is what ``python -m service`` prints,
-  and every relative link and repository path the README names exists.
+  and every relative link, anchor and repository path these pages name exists.
 
 Commands that write files run in a temporary folder that links the repository's ``.venv``, ``export/``
-and ``artifacts/`` (the README's relative paths resolve as in a checkout), so nothing in the checkout
+and ``artifacts/`` (the pages' relative paths resolve as in a checkout), so nothing in the checkout
 changes.
 """
 
@@ -75,11 +78,13 @@ if TYPE_CHECKING:
     from service.launcher import TritonServer
 
 ADMIN_KEY = "readme-admin-key-0123456789abcdef"
-API, CONFIGURATION = "docs/api.md", "docs/configuration.md"
+API, CONFIGURATION, DEVELOPMENT = "docs/api.md", "docs/configuration.md", "docs/development.md"
 GALLERY, IMPORT, MODELS = "docs/gallery.md", "docs/import.md", "docs/models.md"
-#: The pages whose links and paths are checked: the README and the docs/ pages the project keeps true to
-#: the code (docs/benchmarks/, gallery-scale, gpu-plan, compat and calibration report runs and designs).
-PAGES = (README, API, CONFIGURATION, GALLERY, IMPORT, MODELS, "docs/deploy.md", "docs/architecture.md")
+#: The pages whose commands, links and paths are checked: the README and the docs/ pages the project keeps
+#: true to the code (docs/benchmarks/, gallery-scale, gpu-plan, compat and calibration report runs and
+#: designs, and have tests of their own where they hold commands).
+PAGES = (README, API, CONFIGURATION, GALLERY, IMPORT, MODELS, DEVELOPMENT, "docs/deploy.md",
+         "docs/architecture.md")
 AT_A_GLANCE = "The API at a glance"
 
 
@@ -359,7 +364,7 @@ def page_commands() -> dict[tuple[str, str | None], set[str]]:
     return commands
 
 
-def test_every_python_command_has_help_with_its_options(text: str) -> None:
+def test_every_python_command_has_help_with_its_options() -> None:
     commands = page_commands()
     for needed in [("export", "inspect"), ("export", "pin"), ("export", "repository"),
                    ("gallery", None), ("recognition", "import"), ("service", None), ("bench.pipeline", None),
@@ -500,8 +505,8 @@ def test_rollout_and_pin_commands_run(cpu_repository: Path, default_models: Defa
 
 
 @pytest.mark.triton
-def test_bench_pipeline_smoke(text: str, triton: TritonServer, photos: dict[str, Path]) -> None:
-    assert lines_of(text, "Benchmarks", r"-m bench\.pipeline --seconds \d+")
+def test_bench_pipeline_smoke(triton: TritonServer, photos: dict[str, Path]) -> None:
+    assert lines_of(page_text(DEVELOPMENT), "Benchmarks", r"-m bench\.pipeline --seconds \d+")
     result = run([sys.executable, "-m", "bench.pipeline", "--url", triton.grpc_url, "--seconds", "1",
                   "--concurrency", "1"], ROOT, timeout=120)
     assert result.returncode == 0, explain(result)
@@ -576,7 +581,12 @@ def test_relative_links_and_named_paths_exist(name: str) -> None:
     assert not missing, f"{name} names paths that do not exist: {missing}"
 
 
-def test_readme_links_the_main_pages(text: str) -> None:
+def test_readme_is_a_map_to_every_page(text: str) -> None:
+    """The README stays short and a newcomer finds every page of docs/ from it."""
+    assert len(text.splitlines()) <= 200, "README.md is a map: its manuals belong in docs/"
+    linked = {(ROOT / path).resolve() for path in relative_links(text)}
+    pages = {p.resolve() for p in (ROOT / "docs").glob("*.md")} | {(ROOT / "docs" / "benchmarks").resolve()}
+    assert not pages - linked, f"README.md does not link {sorted(str(p) for p in pages - linked)}"
     assert {"docs/calibration.md", "docs/deploy.md", "docs/benchmarks/"} <= set(relative_links(text))
 
 
