@@ -24,7 +24,7 @@ UNAVAILABLE_MESSAGE = (
     "TensorRT (the `tensorrt` Python package) is not installed here, and it cannot be installed "
     "from PyPI on a machine without NVIDIA's CUDA libraries and index. Build engines inside the NGC "
     "tritonserver image (nvcr.io/nvidia/tritonserver:<yy.mm>-py3 ships TensorRT) or on a GPU host "
-    "after `pip install tensorrt` (see README)."
+    "after `pip install tensorrt` (see docs/models.md, 'PyTorch → ONNX → TensorRT')."
 )
 
 

@@ -59,7 +59,7 @@ _ERROR_BODIES: tuple[tuple[str, str, dict[str, Any]], ...] = (
                        "code": {"type": "integer", "description": "the HTTP status"}}}),
 )
 _OURS = "Error"
-_RESPONSES = {"4XX": "Refused; the body says why (on the v1 API `code` is stable: README, Errors)",
+_RESPONSES = {"4XX": "Refused; the body says why (on the v1 API `code` is stable: docs/api.md, Errors)",
               "5XX": "A failure on the service's side (503 carries Retry-After)"}
 
 
