@@ -66,6 +66,9 @@ class GallerySettings(BaseModel):
     snapshot_interval_s: float = Field(300.0, gt=0, description="how often indexes are snapshotted")
     erasure_snapshot_delay_s: float = Field(5.0, gt=0, description="after deletions, snapshots are rewritten "
                                             "within this delay so erased vectors leave the disk")
+    default_fpir: float = Field(0.01, ge=0, le=0.5, description="the match policy of new collections: at "
+                                "most this share of strangers matched to somebody, whatever the collection's "
+                                "size (0: decide at the embedding model's fixed threshold instead)")
 
     @field_validator("reselect_growth")
     @classmethod

@@ -62,6 +62,10 @@ class ModelSpec:
     sha256: str = ""
     notes: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+    #: Embedders: score distributions measured on labelled faces (``facecore.scores``): ``impostor`` (a
+    #: ``ScoreTail``'s dict), ``genuine`` (``mean``, ``sd``, ``pairs``) and ``measured`` (how, on what).
+    #: Decisions calibrated to a false-positive identification rate start from it (docs/calibration.md).
+    score_reference: dict[str, Any] = field(default_factory=dict)
 
     @property
     def swap_rb(self) -> bool:

@@ -16,19 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
 from pathlib import Path
+from typing import Any
 
 from numpy.typing import ArrayLike
 
 from facecore.periodic import Periodic
 from facecore.settings import Settings
+from gallery.calibration import Decision, decide
 from gallery.engines.base import Engine, IndexInfo, make_engine
 from gallery.engines.batching import SearchBatcher
 from gallery.engines.faiss_engine import FaissEngine
 from gallery.engines.index import IndexConfig
+from gallery.recalibration import Recalibration
 from gallery.replica import Replica
 from gallery.reselection import Reselection
 from gallery.search import Candidate, Searcher, SearchResult
 from gallery.snapshots import Snapshots
+from gallery.store.policies import CollectionPolicies
 from gallery.store.store import CollectionInfo, GalleryStore, check_model
 
 __all__ = ["Candidate", "Gallery", "SearchResult", "open_gallery"]
@@ -61,7 +65,12 @@ class Gallery:
         self.engine: Engine = engine or FaissEngine(snapshot_dir, self.config, force_tombstones)
         self.batcher = batcher or SearchBatcher()
         self.replica = Replica(store, self.engine)
-        self.reselection = self.replica.regrowth = Reselection(self.replica)
+        self.reselection = Reselection(self.replica)
+        self.policies = CollectionPolicies(store.db)
+        self.recalibration = Recalibration(self.replica, self.policies)
+        self.replica.upkeep = [self.reselection, self.recalibration]
+        #: the last decision per collection, with what it was derived from (the row, the faces)
+        self._decisions: dict[int, tuple[CollectionInfo, int, Decision]] = {}
         self.snapshots = Snapshots(self.replica)
         self.searcher = Searcher(self.replica, self.batcher)
         self._follower = Periodic("gallery-follower", self.sync, "change-log sync failed")
@@ -108,7 +117,7 @@ class Gallery:
         (not waited for) ends without a result and is logged as abandoned, not as a failure (the process's
         thread pools, the index's search threads among them, are shut down under it at exit). The next
         start chooses again: the collection is still past its size."""
-        self.reselection.closing = True
+        self.reselection.closing = self.recalibration.closing = True
         self.stop_follower()
 
     def reselection_state(self) -> tuple[int, dict[str, int]]:
@@ -116,8 +125,9 @@ class Gallery:
         return self.reselection.state()
 
     def join_reselections(self, timeout: float | None = None) -> None:
-        """Wait for the background index selections under way (tests, shutdown)."""
+        """Wait for the background index selections and score measurements under way (tests, shutdown)."""
         self.reselection.join(timeout)
+        self.recalibration.join(timeout)
 
     # --- collections --------------------------------------------------------------------------
 
@@ -154,6 +164,18 @@ class Gallery:
     def collection_info(self, collection: str) -> CollectionInfo:
         """The collection, loading its index first when needed; ``NotFound`` when it does not exist."""
         return self.replica.entry(collection).info
+
+    def decision(self, collection: str, reference: dict[str, Any]) -> Decision:
+        """How the collection decides at its current size (``gallery.calibration.decide``), given the
+        embedding model's score reference. Cheap when nothing changed: remembered per collection."""
+        entry = self.replica.loaded_entry(collection) or self.replica.entry(collection)
+        info, faces = entry.info, len(entry.index)
+        known = self._decisions.get(info.id)
+        if known is not None and known[0] is info and known[1] == faces:
+            return known[2]
+        made = decide(info, faces, reference)
+        self._decisions[info.id] = (info, faces, made)
+        return made
 
     def require_model(self, collection: str, embedding_model: str) -> CollectionInfo:
         info = self.collection_info(collection)

@@ -53,13 +53,14 @@ class CollectionEntry:
             return self.index.search(queries, k)
 
 
-class Regrowth(Protocol):
-    """What chooses an outgrown collection's index again (``gallery.reselection.Reselection``)."""
+class Upkeep(Protocol):
+    """Work a replica's sync starts in the background for a collection that needs it (its index chosen
+    again: ``gallery.reselection``; its scores measured again: ``gallery.recalibration``)."""
 
-    def due(self, collection_id: int) -> bool: ...
+    def due(self, entry: CollectionEntry) -> bool: ...
 
     def start(self, entry: CollectionEntry) -> None:
-        """Begin choosing ``entry``'s index again (called under the replica's lock)."""
+        """Begin the work (called under the replica's lock)."""
         ...
 
 
@@ -77,7 +78,7 @@ class Replica:
         #: collections with removals not yet persisted ("": dropped collections' files to prune)
         self.erased: set[str] = set()
         self.labels = Labels(store)
-        self.regrowth: Regrowth | None = None
+        self.upkeep: list[Upkeep] = []
         self.loaded = False
 
     def exclusive(self) -> AbstractContextManager[object]:
@@ -160,8 +161,10 @@ class Replica:
             for entry in list(self.collections.values()):
                 if entry.index.stale:
                     self.collections[entry.info.id] = self.build(entry.info)
-                elif self.regrowth is not None and self._regrows(entry):
-                    self.regrowth.start(entry)
+                else:
+                    for job in self.upkeep:
+                        if job.due(entry):
+                            job.start(entry)
             self._settled = True
         return applied
 
@@ -173,19 +176,17 @@ class Replica:
         if self.store.changes_since(self.applied, limit=1):
             return False
         with self.lock:
-            return not any(entry.index.stale or self._regrows(entry) for entry in self.collections.values())
-
-    def _regrows(self, entry: CollectionEntry) -> bool:
-        """The entry's index is outgrown and may be chosen again now."""
-        return entry.index.outgrown and self.regrowth is not None and self.regrowth.due(entry.info.id)
+            return not any(entry.index.stale or any(job.due(entry) for job in self.upkeep)
+                           for entry in self.collections.values())
 
     def _apply(self, changes: list[Change], engine_at: int) -> None:
         """Apply ``changes`` in order; those at or below ``engine_at`` are already in the engine."""
         by_collection: dict[int, list[Change]] = defaultdict(list)
         self.labels.forget(changes)
+        policies = {c.collection_id for c in changes if c.op is ChangeOp.POLICY}
         for change in changes:
-            if change.op is ChangeOp.RELABEL:
-                continue  # the engines hold no labels
+            if change.op in (ChangeOp.RELABEL, ChangeOp.POLICY):
+                continue  # the engines hold neither labels nor policies
             if change.op is ChangeOp.DROP:
                 dropped = self.collections.pop(change.collection_id, None)
                 if change.seq > engine_at:
@@ -209,6 +210,15 @@ class Replica:
                 # dropped collections' (a shared engine holds no collection left unopened by _open_held)
                 self.engine.forget(collection_id)
                 self.erased.add("")
+        if policies:
+            self._read_again(policies)
+
+    def _read_again(self, collection_ids: AbstractSet[int]) -> None:
+        """The collections' rows as the database has them now (a policy or calibration changed)."""
+        for info in self.store.list_collections():
+            entry = self.collections.get(info.id)
+            if info.id in collection_ids and entry is not None:
+                entry.info = info
 
     def _open_held(self, collection_ids: AbstractSet[int]) -> None:
         """Open those of these collections that the shared engine holds (built by another process) so that

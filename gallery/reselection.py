@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 RESELECT_OUTCOMES = ("chosen", "outdated", "failed")
 #: After a background index selection failed, seconds before the collection's next one.
 RESELECT_RETRY_S = 600.0
+#: The changes that touch an index's vectors.
+_VECTORS = (ChangeOp.ADD, ChangeOp.REMOVE)
 
 
 class Reselection:
-    """The background selections of one replica (its ``regrowth``); ``start`` is called under the
+    """The background selections of one replica (one of its ``upkeep``); ``start`` is called under the
     replica's lock."""
 
     def __init__(self, replica: Replica) -> None:
@@ -40,10 +42,12 @@ class Reselection:
         #: the process is stopping: a selection that fails is abandoned, not an error
         self.closing = False
 
-    def due(self, collection_id: int) -> bool:
-        """No selection of the collection runs, and none failed within ``RESELECT_RETRY_S``."""
+    def due(self, entry: CollectionEntry) -> bool:
+        """The entry's index is outgrown, no selection of it runs, and none failed within
+        ``RESELECT_RETRY_S``."""
+        collection_id = entry.info.id
         failed = self.failed.get(collection_id)
-        return collection_id not in self.running and (
+        return entry.index.outgrown and collection_id not in self.running and (
             failed is None or time.monotonic() - failed >= RESELECT_RETRY_S)
 
     def start(self, entry: CollectionEntry) -> None:
@@ -67,7 +71,7 @@ class Reselection:
                 start, fresh = since, CollectionEntry(info, built)
                 while start < replica.applied and (changes := replica.store.changes_since(start)):
                     mine = [c for c in changes if c.seq <= replica.applied and c.collection_id == info.id]
-                    if not replica.apply_to(fresh, [c for c in mine if c.op is not ChangeOp.RELABEL]):
+                    if not replica.apply_to(fresh, [c for c in mine if c.op in _VECTORS]):
                         self.outcomes["outdated"] += 1
                         return  # re-embedded meanwhile: its DROP, not applied yet, drops the current index
                     start = changes[-1].seq

@@ -9,7 +9,6 @@ layer turns them into responses.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from numpy.typing import NDArray
 from facecore.client import AsyncPipeline
 from facecore.contract import Faces
 from facecore.spec import ModelSpec
+from gallery.calibration import Decision, one_to_one
 from gallery.embeddings import row_scores
 from gallery.gallery import Gallery, SearchResult
 from gallery.store.faces import FaceRecords, StoredFace
@@ -28,20 +28,13 @@ from gallery.store.store import CollectionInfo, FaceInfo, GalleryStore, Identity
 from recognition.enrollment import EnrollmentRules, IgnoredFace, enrollable_face, image_sha256, largest
 from recognition.errors import Refused
 
-#: Width of the logistic that turns a cosine score into a confidence: 0.5 at the threshold,
-#: 0.95 at threshold + 0.15 (see docs/calibration.md for how it was chosen and its limits).
-CONFIDENCE_SCALE = 0.05
-
-
-def confidence(score: float, threshold: float) -> float:
-    return round(1.0 / (1.0 + math.exp(-(score - threshold) / CONFIDENCE_SCALE)), 4)
-
 
 @dataclass(frozen=True)
 class Identified:
     faces: Faces
     results: list[SearchResult]  # one per face, in the order of ``faces``
     threshold: float
+    decision: Decision  # the collection's, at its size (``threshold`` is the request's when it gave one)
 
 
 @dataclass(frozen=True)
@@ -55,6 +48,7 @@ class Enrolled:
 class Verified:
     score: float
     threshold: float
+    decision: Decision  # 1:1, for the confidence
     face_a: tuple[Faces, int]
     face_b: tuple[Faces, int] | None = None  # None: verified against an identity's enrolled faces
 
@@ -69,6 +63,7 @@ class FaceSearch:
 
     face: StoredFace
     result: SearchResult
+    decision: Decision
 
 
 @dataclass(frozen=True)
@@ -78,6 +73,7 @@ class Comparison:
     faces: Faces
     scores: NDArray[np.float32]  # [N], one per face of ``faces``
     threshold: float
+    decision: Decision  # 1:1, for the confidence
     reference: tuple[Faces, int] | None = None  # the reference face, when it came from an image
 
 
@@ -126,17 +122,25 @@ class Recognition:
     async def detect(self, data: bytes, score_threshold: float | None = None) -> Faces:
         return await self.analyze(data, score_threshold=score_threshold)
 
+    async def decision(self, collection: str) -> Decision:
+        """How the collection decides at its size (``gallery.calibration``): its fixed threshold, or the
+        one derived for its target false-positive identification rate. The collection must be loaded
+        (``collection`` loads it): then this is arithmetic on the event loop, remembered per size."""
+        spec = await self.embedder()
+        return self.gallery.decision(collection, spec.score_reference)
+
     async def identify(self, collection: str, data: bytes, k: int, threshold: float | None,
                        score_threshold: float | None = None) -> Identified:
-        info = await self.collection(collection)
+        await self.collection(collection)
         faces = await self.analyze(data, score_threshold=score_threshold)
-        limit = info.match_threshold if threshold is None else threshold
+        decision = await self.decision(collection)
+        limit = decision.threshold if threshold is None else threshold
         results: list[SearchResult] = []
         if len(faces):  # a small collection is searched on the event loop, a larger one in a worker thread
             inline = self.gallery.search_inline(collection, faces.embeddings, k, limit)
             results = inline if inline is not None else await asyncio.to_thread(
                 self.gallery.search, collection, faces.embeddings, k, limit)
-        return Identified(faces, results, limit)
+        return Identified(faces, results, limit, decision)
 
     async def enroll(self, collection: str, external_id: str, images: Sequence[bytes], rules: EnrollmentRules,
                      create: tuple[str, dict[str, Any]] | None = None) -> Enrolled:
@@ -167,7 +171,7 @@ class Recognition:
         (fa, ia), (fb, ib) = await asyncio.gather(self._one_face(a, "image_a"), self._one_face(b, "image_b"))
         score = float(fa.embeddings[ia] @ fb.embeddings[ib])
         limit = spec.match_threshold if threshold is None else threshold
-        return Verified(score, limit, (fa, ia), (fb, ib))
+        return Verified(score, limit, one_to_one(limit, spec.score_reference), (fa, ia), (fb, ib))
 
     async def verify_identity(self, collection: str, external_id: str, data: bytes, threshold: float | None
                               ) -> Verified:
@@ -178,22 +182,24 @@ class Recognition:
             raise Refused(f"identity {external_id!r} has no enrolled face", "no_enrolled_face")
         score = float(np.max(row_scores(enrolled, faces.embeddings[index])))
         limit = info.match_threshold if threshold is None else threshold
-        return Verified(score, limit, (faces, index))
+        spec = await self.embedder()  # the best of the identity's faces: one comparison per face
+        return Verified(score, limit, one_to_one(limit, spec.score_reference, len(enrolled)), (faces, index))
 
     async def search_face(self, collection: str, face_id: int, k: int, threshold: float | None,
                           exclude_identity: bool = False) -> FaceSearch:
         """Top-k identities for an enrolled face, leaving out the face itself (with ``exclude_identity``
         every face of its identity), with the usual threshold decision."""
-        info = await self.collection(collection)
+        await self.collection(collection)
+        decision = await self.decision(collection)
 
         def search() -> FaceSearch:
             stored = self.faces.get(collection, face_id)
             exclude = ({f.id for f in self.store.list_faces(collection, stored.external_id)}
                        if exclude_identity else {face_id})
             (result,) = self.gallery.search(collection, stored.vector[None], k,
-                                            info.match_threshold if threshold is None else threshold,
+                                            decision.threshold if threshold is None else threshold,
                                             exclude=exclude)
-            return FaceSearch(stored, result)
+            return FaceSearch(stored, result, decision)
 
         return await asyncio.to_thread(search)
 
@@ -204,7 +210,8 @@ class Recognition:
         (ref, index), faces = await asyncio.gather(self._one_face(reference, "reference image"),
                                                    self.analyze(data, score_threshold=score_threshold))
         limit = spec.match_threshold if threshold is None else threshold
-        return Comparison(faces, row_scores(faces.embeddings, ref.embeddings[index]), limit, (ref, index))
+        return Comparison(faces, row_scores(faces.embeddings, ref.embeddings[index]), limit,
+                          one_to_one(limit, spec.score_reference), (ref, index))
 
     async def compare_with_face(self, collection: str, face_id: int, data: bytes,
                                 threshold: float | None = None, score_threshold: float | None = None
@@ -214,4 +221,6 @@ class Recognition:
         stored = await asyncio.to_thread(self.faces.get, collection, face_id)  # NotFound first
         faces = await self.analyze(data, score_threshold=score_threshold)
         limit = info.match_threshold if threshold is None else threshold
-        return Comparison(faces, row_scores(faces.embeddings, stored.vector), limit)
+        spec = await self.embedder()
+        return Comparison(faces, row_scores(faces.embeddings, stored.vector), limit,
+                          one_to_one(limit, spec.score_reference))

@@ -20,9 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from facecore.client import PipelineError
 from facecore.contract import Faces
+from gallery.calibration import Decision
 from gallery.errors import Conflict, GalleryError, NotFound
 from recognition.errors import Refused
-from recognition.usecases import confidence
 from service.auth import Principal
 from service.compat import HTTP_CODES, describe, rendering_route
 from service.deps import KeysDep, lookup_key
@@ -198,5 +198,6 @@ def cf_face(faces: Faces, i: int, plugins: set[str], elapsed_ms: float | None = 
         execution_time=None if elapsed_ms is None else {"face_pipeline": round(elapsed_ms, 1)})
 
 
-def similarity(score: float, threshold: float) -> float:
-    return round(confidence(score, threshold), 5)
+def similarity(score: float, decision: Decision) -> float:
+    """CompreFace's similarity: our confidence (docs/calibration.md), to five places."""
+    return round(decision.confidence(score), 5)

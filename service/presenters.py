@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from facecore.contract import Faces
 from facecore.quality import assess
+from facecore.scores import expected_fpir
+from gallery.calibration import Decision
 from gallery.gallery import Candidate as GalleryCandidate
 from gallery.store.store import FaceInfo, IdentityInfo
-from recognition.usecases import Enrolled, FaceSearch, Identified, Verified, confidence
+from recognition.usecases import Enrolled, FaceSearch, Identified, Verified
 from service import schemas
 
 
@@ -28,13 +30,13 @@ def detect_response(faces: Faces) -> schemas.DetectResponse:
                                   faces=[detected_face(faces, i) for i in range(len(faces))])
 
 
-def candidate(found: GalleryCandidate, threshold: float) -> schemas.Candidate:
+def candidate(found: GalleryCandidate, decision: Decision) -> schemas.Candidate:
     return schemas.Candidate(external_id=found.external_id, name=found.name, score=round(found.score, 6),
-                             confidence=confidence(found.score, threshold))
+                             confidence=round(decision.confidence(found.score), 4))
 
 
 def identify_response(identified: Identified) -> schemas.IdentifyResponse:
-    faces, limit = identified.faces, identified.threshold
+    faces, limit, decision = identified.faces, identified.threshold, identified.decision
     out = []
     for i, result in enumerate(identified.results):
         match = result.match
@@ -42,15 +44,25 @@ def identify_response(identified: Identified) -> schemas.IdentifyResponse:
             box=box(faces.boxes[i].tolist()), score=float(faces.scores[i]),
             landmarks=[schemas.Point(x=float(x), y=float(y)) for x, y in faces.landmarks[i]],
             decision="match" if match is not None else "unknown",
-            identity=candidate(match, limit) if match is not None else None,
-            candidates=[candidate(c, limit) for c in result.candidates]))
-    return schemas.IdentifyResponse(width=faces.width, height=faces.height, threshold=limit, faces=out)
+            identity=candidate(match, decision) if match is not None else None,
+            candidates=[candidate(c, decision) for c in result.candidates]))
+    return schemas.IdentifyResponse(width=faces.width, height=faces.height, threshold=limit,
+                                    match_policy=decision.policy, expected_fpir=_fpir(decision, limit),
+                                    faces=out)
+
+
+def _fpir(decision: Decision, threshold: float) -> float | None:
+    """The share of strangers matched to somebody at ``threshold`` (the request's, or the collection's),
+    at the collection's size; None without a score model."""
+    if decision.tail is None:
+        return None
+    return round(expected_fpir(decision.tail, threshold, decision.faces), 6)
 
 
 def verify_response(verified: Verified) -> schemas.VerifyResponse:
     face_b = None if verified.face_b is None else detected_face(*verified.face_b)
     return schemas.VerifyResponse(score=round(verified.score, 6),
-                                  confidence=confidence(verified.score, verified.threshold),
+                                  confidence=round(verified.decision.confidence(verified.score), 4),
                                   threshold=verified.threshold, same=verified.same,
                                   face_a=detected_face(*verified.face_a), face_b=face_b)
 
@@ -77,5 +89,5 @@ def face_search_response(found: FaceSearch) -> schemas.FaceSearchResponse:
     return schemas.FaceSearchResponse(
         face_id=found.face.face.id, external_id=found.face.external_id, threshold=limit,
         decision="match" if match is not None else "unknown",
-        identity=candidate(match, limit) if match is not None else None,
-        candidates=[candidate(c, limit) for c in found.result.candidates])
+        identity=candidate(match, found.decision) if match is not None else None,
+        candidates=[candidate(c, found.decision) for c in found.result.candidates])

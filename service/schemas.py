@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from recognition.enrollment import FaceChoice
 
@@ -83,19 +83,67 @@ class DetectResponse(BaseModel):
     faces: list[DetectedFace]
 
 
+class MatchPolicy(BaseModel):
+    """How a collection decides ``match`` or ``unknown``: at a target false-positive identification rate
+    (the threshold follows the collection's size), or at a fixed threshold."""
+
+    model_config = ConfigDict(extra="forbid",
+                              json_schema_extra={"examples": [{"fpir": 0.01}, {"threshold": 0.4}]})
+
+    fpir: float | None = Field(None, gt=0, le=0.5, description="the share of strangers (people not enrolled) "
+                               "that may be matched to somebody, whatever the collection's size (e.g. 0.01)")
+    threshold: float | None = Field(None, ge=-1, le=1, description="a fixed cosine threshold (the model's "
+                                    "1:1 operating point when null)")
+
+    @model_validator(mode="after")
+    def one_of(self) -> MatchPolicy:
+        if self.fpir is not None and self.threshold is not None:
+            raise ValueError("a match policy is either fpir or threshold, not both")
+        return self
+
+
 class CollectionCreate(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"name": "employees", "match_threshold": 0.4}]})
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"name": "employees"}, {"name": "door", "match_policy": {"fpir": 0.001}}]})
 
     name: Name
-    match_threshold: float | None = Field(None, ge=-1, le=1, description="default: the embedding model's")
+    match_policy: MatchPolicy | None = Field(None, description="default: {\"fpir\": "
+                                             "FACEREC_GALLERY__DEFAULT_FPIR} (0.01), or the model's fixed "
+                                             "threshold when that setting is 0")
+    match_threshold: float | None = Field(None, ge=-1, le=1, description="the fixed threshold, or with an "
+                                          "fpir policy the floor its threshold never goes below (default: "
+                                          "the embedding model's 1:1 threshold)")
     keep_crops: bool = Field(True, description="store aligned crops (needed to re-embed with a new model)")
+
+
+class CollectionUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    match_policy: MatchPolicy
+
+
+class DecisionOut(BaseModel):
+    """How the collection decides now, at its current size."""
+
+    threshold: float = Field(description="the cosine an identity's best face must reach to be a match")
+    faces: int = Field(description="enrolled faces: each is a comparison a stranger can win")
+    expected_fpir: float | None = Field(description="share of strangers matched to somebody at this size, "
+                                        "from the impostor score model (null: no score model)")
+    genuine_rejected: float | None = Field(description="share of genuine probes (one face against one face) "
+                                           "below the threshold, from the model's reference genuine scores")
+    basis: Literal["collection", "reference", "fixed"] = Field(
+        description="collection: the impostor tail measured on the collection's own cross-identity scores; "
+                    "reference: the embedding model's reference; fixed: a fixed threshold")
+    warning: str | None = Field(description="set when the policy cannot be kept usefully at this size")
 
 
 class CollectionOut(BaseModel):
     name: str
     embedding_model: str
     dimension: int
-    match_threshold: float
+    match_threshold: float = Field(description="the fixed threshold, or the floor of an fpir policy")
+    match_policy: MatchPolicy
+    decision: DecisionOut
     keep_crops: bool
     faces: int = Field(description="faces in the collection's index")
     created_at: datetime
@@ -229,7 +277,8 @@ class Candidate(BaseModel):
     external_id: str
     name: str
     score: float = Field(description="cosine similarity of the identity's closest enrolled face")
-    confidence: float = Field(description="match confidence in [0, 1]; 0.5 at the threshold (see docs)")
+    confidence: float = Field(description="the chance that a stranger's best score in this collection stays "
+                              "below this score (docs/calibration.md)")
 
 
 class IdentifiedFace(BaseModel):
@@ -244,7 +293,11 @@ class IdentifiedFace(BaseModel):
 class IdentifyResponse(BaseModel):
     width: int
     height: int
-    threshold: float
+    threshold: float = Field(description="the threshold used: the request's, else the collection's at its "
+                             "size")
+    match_policy: Literal["fixed", "fpir"]
+    expected_fpir: float | None = Field(description="share of strangers matched to somebody at this "
+                                        "threshold and the collection's size (null: no score model)")
     faces: list[IdentifiedFace]
 
 

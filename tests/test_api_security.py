@@ -106,6 +106,7 @@ def test_routes_are_classified(api: Api) -> None:
     assert {(e.method, e.path) for e in found if e.access == "admin"} == {
         ("GET", "/v1/collections"),
         ("POST", "/v1/collections"),
+        ("PATCH", "/v1/collections/{collection}"),
         ("DELETE", "/v1/collections/{collection}"),
         ("GET", "/v1/collections/{collection}/keys"),
         ("POST", "/v1/collections/{collection}/keys"),

@@ -39,10 +39,9 @@ from pydantic import BaseModel
 
 from bench.gpu import build_parser as gpu_parser
 from export.__main__ import parser as export_parser
-from facecore.settings import GatewaySettings
+from facecore.settings import GallerySettings, GatewaySettings
 from gallery.__main__ import parser as gallery_parser
 from recognition.__main__ import parser as recognition_parser
-from recognition.usecases import confidence
 from service.app import create_app
 from tests.readme_runner import (
     README,
@@ -77,6 +76,7 @@ if TYPE_CHECKING:
     from export.defaults import DefaultModels
     from service.launcher import TritonServer
 
+DEFAULT_FPIR = GallerySettings().default_fpir
 ADMIN_KEY = "readme-admin-key-0123456789abcdef"
 API, CONFIGURATION, DEVELOPMENT = "docs/api.md", "docs/configuration.md", "docs/development.md"
 GALLERY, IMPORT, MODELS = "docs/gallery.md", "docs/import.md", "docs/models.md"
@@ -183,10 +183,9 @@ def test_limits_and_scores_prose_matches_the_code() -> None:
     sface = tomllib.loads((ROOT / "export" / "specs" / "sface_2021dec.toml").read_text())["model"]
     threshold = sface["match_threshold"]
     words = " ".join(section(text, "Scores, thresholds, unknown").split())
-    assert f"(SFace: {threshold}," in words, "the SFace threshold differs from its spec"
-    assert "`confidence` is 0.5 at the threshold and rises to 0.95 at threshold + 0.15" in words
-    assert confidence(threshold, threshold) == 0.5
-    assert abs(confidence(threshold + 0.15, threshold) - 0.95) < 0.005
+    assert f"SFace: {threshold}," in words, "the SFace threshold differs from its spec"
+    assert "`confidence` is the chance that a stranger's best score in the collection stays below" in words
+    assert f'`{{"fpir": {DEFAULT_FPIR}}}`' in words, "the default policy differs from the settings'"
 
 
 def test_error_codes_exist_in_the_code() -> None:

@@ -187,11 +187,10 @@ class Polled:
     """One read-only statement that a process runs several times a second: the change log every gateway
     and importer follows, the key table every gateway watches (``follow_interval_s``, 0.2 s). Its SQL is
     compiled once for the engine's dialect and run on a pooled DB-API connection, below SQLAlchemy's
-    execution layer (its events, the BEGIN and ROLLBACK it issues on SQLite, result processing). Measured
-    on SQLite, the gallery's follower and the key watch running every 0.2 s as in a gateway (the process's
-    CPU over 20 s, a throwaway script): 6.7-6.9 ms of CPU per second through ``Database.fetch``, 2.9 ms
-    this way. Rows come as the driver returns them, so the statement's columns and parameters must be
-    plain (integers, strings, counts: no type with a result or bind processor; a binary column comes as
+    execution layer (its events, the BEGIN and ROLLBACK it issues on SQLite, result processing), which
+    more than doubled an idle gateway's CPU for these reads. Rows come as the driver returns them, so the
+    statement's columns and parameters must be plain (integers, strings, counts: no type with a result or
+    bind processor; a binary column comes as
     the driver's bytes-like value, which its reader takes as is, as ``GalleryStore.vectors`` does); a driver
     error is raised as SQLAlchemy's (``OperationalError`` for a database that went away) and its connection
     discarded."""

@@ -60,6 +60,7 @@ class ChangeOp(StrEnum):
     REMOVE = "remove"
     DROP = "drop"  # the whole collection was deleted
     RELABEL = "relabel"  # an identity's name or external id changed (face_id 0): its label is read again
+    POLICY = "policy"  # the collection's match policy or its calibration changed: it is read again
 
 
 class Collection(Base):
@@ -75,6 +76,12 @@ class Collection(Base):
     match_threshold: Mapped[float] = mapped_column(Float)
     keep_crops: Mapped[bool] = mapped_column(default=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    #: "fixed" (decide at ``match_threshold``) or "fpir" (a threshold derived for ``target_fpir`` at the
+    #: collection's size: ``gallery.calibration``)
+    match_policy: Mapped[str] = mapped_column(String(8), default="fixed", server_default="fixed")
+    target_fpir: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: the impostor score tail measured on the collection's own faces (``gallery.calibration``)
+    calibration: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     identities: Mapped[list[Identity]] = relationship(
         back_populates="collection", cascade="all, delete-orphan", passive_deletes=True

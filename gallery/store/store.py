@@ -66,6 +66,9 @@ class CollectionInfo:
     match_threshold: float
     keep_crops: bool
     created_at: datetime
+    match_policy: str = "fixed"  # or "fpir": gallery.calibration
+    target_fpir: float | None = None
+    calibration: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,8 @@ class NewFace:
 
 
 class Change(NamedTuple):
-    """One row of the change log (a tuple: a follower reads thousands at a time, an import's 5,000 in 1.7 ms
-    this way, 8 ms as frozen dataclasses with each value converted and the op looked up by ``ChangeOp()``)."""
+    """One row of the change log (a tuple: a follower reads thousands at a time, and tuples are several
+    times cheaper to make than frozen dataclasses with each value converted)."""
 
     seq: int
     collection_id: int
@@ -126,7 +129,7 @@ def check_model(info: CollectionInfo, embedding_model: str) -> None:
 
 def _collection_info(row: Collection) -> CollectionInfo:
     return CollectionInfo(row.id, row.name, row.embedding_model, row.dimension, row.match_threshold,
-                          row.keep_crops, row.created_at)
+                          row.keep_crops, row.created_at, row.match_policy, row.target_fpir, row.calibration)
 
 
 def _identity_info(row: Identity) -> IdentityInfo:
@@ -156,13 +159,19 @@ class GalleryStore:
         return row
 
     def create_collection(self, name: str, embedding_model: str, dimension: int, match_threshold: float,
-                          keep_crops: bool = True) -> CollectionInfo:
+                          keep_crops: bool = True, target_fpir: float | None = None) -> CollectionInfo:
+        """A new collection deciding at ``match_threshold``, or, with ``target_fpir``, at the threshold
+        derived for that false-positive identification rate (never below ``match_threshold``)."""
         if not name or dimension <= 0 or not -1.0 <= match_threshold <= 1.0:
             raise ValueError("a collection needs a name, a positive dimension and a threshold in [-1, 1]")
+        if target_fpir is not None and not 0.0 < target_fpir <= 0.5:
+            raise ValueError("a target false-positive identification rate is in (0, 0.5]")
         try:
             with self.db.write() as session:
                 row = Collection(name=name, embedding_model=embedding_model, dimension=dimension,
-                                 match_threshold=match_threshold, keep_crops=keep_crops)
+                                 match_threshold=match_threshold, keep_crops=keep_crops,
+                                 match_policy="fixed" if target_fpir is None else "fpir",
+                                 target_fpir=target_fpir)
                 session.add(row)
                 session.flush()
                 return _collection_info(row)
@@ -349,6 +358,7 @@ class GalleryStore:
                                                for face_id, vector in zip(face_ids, matrix, strict=True)])
             owner.embedding_model, owner.dimension, owner.match_threshold = (embedding_model, dimension,
                                                                              match_threshold)
+            owner.calibration = None  # measured on the old model's scores
             self._log(session, owner.id, [(0, 0)], ChangeOp.DROP)
 
     # --- change log and bulk reads for the index ---------------------------------------------
@@ -371,10 +381,9 @@ class GalleryStore:
 
         What a follower applies after another process's import: thousands of consecutive ids. They are read
         5,000 at a time by their range of ids (the rows of other faces in it left out) on a pooled DB-API
-        connection (``Polled``), and the rows' bytes converted at once; ids spread over more than twice
-        their number are read by the ids themselves. 5,000 faces on SQLite (a throwaway probe, 128-d):
-        27-30 ms by their ids through the ORM with a vector decoded per row, 7-12 ms this way: the
-        interpreter's lock, which searches wait for, is held that much less."""
+        connection (``Polled``), and the rows' bytes converted at once (ids spread over more than twice
+        their number are read by the ids themselves): several times faster than through the ORM with a
+        vector decoded per row, so the interpreter's lock, which searches wait for, is held less."""
         wanted = np.unique(np.asarray(face_ids, np.int64))
         found: dict[int, NDArray[np.float32]] = {}
         for start in range(0, len(wanted), 5000):

@@ -7,42 +7,91 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, status
 
-from gallery.store.store import CollectionInfo
+from gallery.calibration import FPIR, Decision, decide
+from gallery.gallery import Gallery
+from gallery.store.store import CollectionInfo, GalleryStore
+from recognition.usecases import Recognition
 from service import schemas
-from service.deps import AdminDep, CollectionAccessDep, GalleryDep, KeysDep, ServiceDep, StoreDep
+from service.deps import AdminDep, CollectionAccessDep, GalleryDep, KeysDep, ServiceDep, SettingsDep, StoreDep
 
 router = APIRouter(prefix="/v1/collections", tags=["collections"])
 
+POLICY = ("How the collection decides match or unknown. With {\"fpir\": f} its threshold is the score that "
+          "at most a share f of strangers reach against some enrolled face, derived for its current size "
+          "and raised as it grows (never below match_threshold); decision says where it stands now, and "
+          "warns when the target cannot be kept without rejecting most genuine probes (docs/calibration.md).")
 
-def collection_out(info: CollectionInfo, faces: int) -> schemas.CollectionOut:
+
+def collection_out(info: CollectionInfo, decision: Decision) -> schemas.CollectionOut:
+    policy = (schemas.MatchPolicy(fpir=info.target_fpir) if info.match_policy == FPIR
+              else schemas.MatchPolicy(threshold=info.match_threshold))
+    made = schemas.DecisionOut(threshold=round(decision.threshold, 6), faces=decision.faces,
+                               expected_fpir=_rounded(decision.expected_fpir),
+                               genuine_rejected=_rounded(decision.genuine_rejected), basis=decision.basis,
+                               warning=decision.warning)
     return schemas.CollectionOut(name=info.name, embedding_model=info.embedding_model,
                                  dimension=info.dimension, match_threshold=info.match_threshold,
-                                 keep_crops=info.keep_crops, faces=faces, created_at=info.created_at)
+                                 match_policy=policy, decision=made, keep_crops=info.keep_crops,
+                                 faces=decision.faces, created_at=info.created_at)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else float(f"{value:.4g}")
 
 
 @router.post("", response_model=schemas.CollectionOut, status_code=status.HTTP_201_CREATED,
-             summary="Create a collection for the embedding model Triton serves")
+             summary="Create a collection for the embedding model Triton serves", description=POLICY)
 async def create_collection(body: schemas.CollectionCreate, _: AdminDep, service: ServiceDep,
-                            store: StoreDep) -> schemas.CollectionOut:
+                            store: StoreDep, settings: SettingsDep) -> schemas.CollectionOut:
     spec = await service.embedder()
-    threshold = spec.match_threshold if body.match_threshold is None else body.match_threshold
+    policy = body.match_policy
+    fixed = body.match_threshold if policy is None or policy.threshold is None else policy.threshold
+    threshold = spec.match_threshold if fixed is None else fixed
+    if policy is not None:
+        fpir = policy.fpir
+    else:
+        fpir = None if body.match_threshold is not None or not settings.gallery.default_fpir \
+            else settings.gallery.default_fpir
     info = await asyncio.to_thread(store.create_collection, body.name, spec.name, spec.embedding_dim,
-                                   threshold, body.keep_crops)
-    return collection_out(info, 0)
+                                   threshold, body.keep_crops, fpir)
+    return collection_out(info, decide(info, 0, spec.score_reference))
 
 
 @router.get("", response_model=list[schemas.CollectionOut], summary="List collections")
-async def list_collections(_: AdminDep, store: StoreDep, gallery: GalleryDep) -> list[schemas.CollectionOut]:
+async def list_collections(_: AdminDep, store: StoreDep, gallery: GalleryDep,
+                           service: ServiceDep) -> list[schemas.CollectionOut]:
     infos = await asyncio.to_thread(store.list_collections)
-    sizes = gallery.sizes()
-    return [collection_out(info, sizes.get(info.name, 0)) for info in infos]
+    sizes, reference = gallery.sizes(), (await service.embedder()).score_reference
+    return [collection_out(info, decide(info, sizes.get(info.name, 0), reference)) for info in infos]
 
 
-@router.get("/{collection}", response_model=schemas.CollectionOut, summary="Get a collection")
-async def get_collection(collection: str, _: CollectionAccessDep, store: StoreDep,
-                         gallery: GalleryDep) -> schemas.CollectionOut:
+@router.get("/{collection}", response_model=schemas.CollectionOut, summary="Get a collection",
+            description=POLICY)
+async def get_collection(collection: str, _: CollectionAccessDep, store: StoreDep, gallery: GalleryDep,
+                         service: ServiceDep) -> schemas.CollectionOut:
+    return await _described(collection, store, gallery, service)
+
+
+async def _described(collection: str, store: GalleryStore, gallery: Gallery,
+                     service: Recognition) -> schemas.CollectionOut:
+    """The collection as the database holds it (not this replica's copy, which may lag), at the size of
+    its index here."""
+    reference = (await service.embedder()).score_reference
     info = await asyncio.to_thread(store.get_collection, collection)
-    return collection_out(info, await asyncio.to_thread(gallery.size, collection))
+    faces = await asyncio.to_thread(gallery.size, collection)
+    return collection_out(info, decide(info, faces, reference))
+
+
+@router.patch("/{collection}", response_model=schemas.CollectionOut,
+              summary="Change a collection's match policy",
+              description=POLICY + " Every gateway decides with the new policy once it has applied the "
+                                   "change log (within the follower interval).")
+async def update_collection(collection: str, body: schemas.CollectionUpdate, _: AdminDep, store: StoreDep,
+                            gallery: GalleryDep, service: ServiceDep) -> schemas.CollectionOut:
+    policy = body.match_policy
+    await asyncio.to_thread(gallery.policies.set_policy, collection, policy.fpir, policy.threshold)
+    await asyncio.to_thread(gallery.sync)
+    return await _described(collection, store, gallery, service)
 
 
 @router.get("/{collection}/index", response_model=schemas.IndexOut,

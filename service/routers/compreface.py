@@ -99,7 +99,7 @@ async def recognize(collection: CollectionDep, image: ImageDep, service: Service
     for i in cf.picked(found.faces, limit):
         face = cf.cf_face(found.faces, i, plugins, elapsed)
         face.subjects = [cf.CfSubject(subject=c.external_id,
-                                      similarity=cf.similarity(c.score, found.threshold))
+                                      similarity=cf.similarity(c.score, found.decision))
                          for c in found.results[i].candidates if c.score >= found.threshold]
         result.append(face)
     return cf.CfResult(result=result, plugins_versions=await _versions(service, status))
@@ -203,7 +203,7 @@ def _matches(compared: Any, limit: int, plugins: set[str], elapsed: float | None
     out = []
     for i in cf.picked(compared.faces, limit):
         face = cf.cf_face(compared.faces, i, plugins, elapsed)
-        face.similarity = cf.similarity(float(compared.scores[i]), compared.threshold)
+        face.similarity = cf.similarity(float(compared.scores[i]), compared.decision)
         out.append(face)
     return out
 

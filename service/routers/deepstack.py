@@ -28,7 +28,6 @@ from starlette.datastructures import UploadFile
 from facecore.contract import Faces
 from gallery.errors import NotFound
 from recognition.enrollment import EnrollmentRules, FaceChoice
-from recognition.usecases import confidence
 from service.admission import Admission
 from service.compat import describe, rendering_route
 from service.deps import KeysDep, ServiceDep, SettingsDep, lookup_key
@@ -239,7 +238,7 @@ async def recognize(request: Request, settings: SettingsDep, keys: KeysDep, serv
     predictions = []
     for i, result in enumerate(found.results):
         match = result.match
-        sure = 0.0 if match is None else confidence(match.score, found.threshold)
+        sure = 0.0 if match is None else round(found.decision.confidence(match.score), 4)
         named = match is not None and sure >= least
         predictions.append(Prediction(confidence=sure if named else 0.0,
                                       userid=match.external_id if named and match else "unknown",
@@ -296,5 +295,5 @@ async def match(request: Request, settings: SettingsDep, keys: KeysDep, service:
         raise DeepStackError(400, "send image1 and image2, one image each")
     with _slot(request):
         verified = await service.verify_images(*pair, None)
-    return Answer(similarity=confidence(verified.score, verified.threshold), duration=_ms(started))
+    return Answer(similarity=round(verified.decision.confidence(verified.score), 4), duration=_ms(started))
 
