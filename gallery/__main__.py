@@ -15,8 +15,10 @@ import sys
 
 from facecore.client import PipelineClient
 from facecore.settings import Settings
+from gallery.calibration import FPIR, decide, own_tail
 from gallery.cli import open_store, root_parser, run, triton_argument
 from gallery.engines.base import IndexInfo
+from gallery.store.store import CollectionInfo
 
 log = logging.getLogger("gallery")
 
@@ -40,10 +42,22 @@ def _create_collection(args: argparse.Namespace) -> int:
         model, dimension, threshold = args.model, args.dimension, args.threshold
     if args.threshold is not None:
         threshold = args.threshold
-    info = store.create_collection(args.name, model, dimension, threshold, not args.no_crops)
-    print(f"collection {info.name}: {info.embedding_model}, {info.dimension}-d, "
-          f"threshold {info.match_threshold}")
+    fpir = args.fpir
+    if fpir is None:  # as the REST API does: a threshold alone is a fixed policy, else the default target
+        fpir = None if args.threshold is not None else args.settings.gallery.default_fpir
+    info = store.create_collection(args.name, model, dimension, threshold, not args.no_crops, fpir or None)
+    print(f"collection {info.name}: {info.embedding_model}, {info.dimension}-d, {policy_summary(info)}")
     return 0
+
+
+def policy_summary(info: CollectionInfo) -> str:
+    """How a collection decides, in a few words (``create-collection``, ``stats``)."""
+    if info.match_policy != FPIR:
+        return f"fixed threshold {info.match_threshold:g}"
+    measured = own_tail(info)
+    basis = ("its own scores" if measured is not None
+             else "the model's reference (its own scores once it holds enough identities)")
+    return f"at most {100 * (info.target_fpir or 0):g} % of strangers matched (from {basis})"
 
 
 def _rebuild(args: argparse.Namespace) -> int:
@@ -81,8 +95,11 @@ def _stats(args: argparse.Namespace) -> int:
     gallery.load()
     for info in gallery.store.list_collections():
         index, _ = gallery.describe(info.name)
+        decided = ""
+        if own_tail(info) is not None:  # without Triton the model's reference is unknown here
+            decided = f" (threshold {decide(info, index.faces, {}).threshold:.4f} at this size)"
         print(f"{info.name}\t{info.embedding_model}\t{info.dimension}-d\t{index.faces} faces\t"
-              f"{index_summary(index)}")
+              f"{index_summary(index)}\t{policy_summary(info)}{decided}")
     return 0
 
 
@@ -109,7 +126,11 @@ def parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     triton_argument(p, settings)
     p.add_argument("--model", help="embedding model id (default: ask Triton which model it serves)")
     p.add_argument("--dimension", type=int, default=128)
-    p.add_argument("--threshold", type=float, help="match threshold (default: the model's)")
+    p.add_argument("--threshold", type=float, help="a fixed match threshold (default: the model's); with "
+                   "--fpir, the floor its threshold never goes below")
+    p.add_argument("--fpir", type=float, help="decide at this false-positive identification rate at the "
+                   "collection's size (default: FACEREC_GALLERY__DEFAULT_FPIR, "
+                   f"{settings.gallery.default_fpir:g}, unless --threshold is given; 0: a fixed threshold)")
     p.add_argument("--no-crops", action="store_true",
                    help="do not keep aligned crops (no re-embedding later)")
     p.set_defaults(run=_create_collection)

@@ -85,7 +85,8 @@ async def _import_local(args: argparse.Namespace, items: list[Any], quality: Any
             if not args.create_collection:
                 raise
             info = store.create_collection(args.collection, spec.name, spec.embedding_dim,
-                                           spec.match_threshold)
+                                           spec.match_threshold,
+                                           target_fpir=args.settings.gallery.default_fpir or None)
         if (info.embedding_model, info.dimension) != (spec.name, spec.embedding_dim):
             raise ValueError(f"collection {info.name} holds {info.embedding_model} ({info.dimension}-d) "
                              f"embeddings but Triton serves {spec.name} ({spec.embedding_dim}-d): import "

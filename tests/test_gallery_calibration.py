@@ -195,3 +195,23 @@ def test_collections_that_existed_keep_their_fixed_threshold_after_the_upgrade(d
             "fixed", None, None, 0.363)
     finally:
         engine.dispose()
+
+
+def test_the_command_line_creates_each_policy_and_shows_it(tmp_path: Any, capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    from gallery.__main__ import main as gallery_main
+
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    common = ["--database-url", url, "create-collection", "--model", MODEL, "--dimension", str(DIM)]
+    assert gallery_main([*common, "default", "--threshold", "0.3", "--fpir", "0.01"]) == 0
+    assert gallery_main([*common, "fixed", "--threshold", "0.4"]) == 0
+    assert gallery_main([*common, "zero", "--threshold", "0.4", "--fpir", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "default: test-model-v1, 32-d, at most 1 % of strangers matched" in out
+    assert "fixed: test-model-v1, 32-d, fixed threshold 0.4" in out
+    store = GalleryStore(Database(create_db_engine(url)))
+    assert [(c.name, c.match_policy, c.target_fpir) for c in store.list_collections()] == [
+        ("default", "fpir", 0.01), ("fixed", "fixed", None), ("zero", "fixed", None)]
+    assert gallery_main(["--database-url", url, "--snapshot-dir", str(tmp_path / "index"), "stats"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("default\t") and "of strangers matched" in line for line in lines), lines
