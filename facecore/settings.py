@@ -93,6 +93,11 @@ class DeepStackSettings(BaseModel):
     """The DeepStack-compatible face API (``/v1/vision/face/...``) serves one collection."""
 
     collection: str = Field("", description="collection the DeepStack API serves (empty: the API is off)")
+    keyless: Literal["off", "loopback", "network"] = Field(
+        "off", description="DeepStack calls that send no key (DeepStack without API-KEY, CodeProject.AI, "
+        "Home Assistant's default) act on the collection: off (a key is required), loopback (only calls "
+        "from this host's loopback addresses), network (any caller that reaches the gateway can enroll, "
+        "recognize and delete in it); a key that is sent must be valid either way")
 
 
 class Settings(BaseSettings):

@@ -77,6 +77,16 @@ async def _snapshot_periodically(gallery: Gallery, interval: float, erasure_dela
             log.exception("gallery snapshot failed")
 
 
+def _warn_keyless(settings: GatewaySettings) -> None:
+    """Keyless DeepStack calls are an operator's explicit choice with a risk: said loudly at every start."""
+    keyless, collection = settings.deepstack.keyless, settings.deepstack.collection
+    if keyless == "off" or not collection:
+        return
+    who = "any caller that reaches this gateway" if keyless == "network" else "any process on this host"
+    log.warning("FACEREC_DEEPSTACK__KEYLESS=%s: DeepStack calls WITHOUT a key act on collection %r: %s can "
+                "enroll, recognize and delete its people (docs/compat.md)", keyless, collection, who)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: GatewaySettings = app.state.settings
@@ -100,6 +110,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     probing = asyncio.create_task(app.state.recognition_check.run())
     snapshots = asyncio.create_task(_snapshot_periodically(
         gallery, settings.gallery.snapshot_interval_s, settings.gallery.erasure_snapshot_delay_s))
+    _warn_keyless(settings)
     log.info("gateway ready: triton %s, database %s", settings.triton.url, engine.url.render_as_string())
     try:
         yield

@@ -79,15 +79,19 @@ def _labels(sources: list[str]) -> list[str]:
 
 
 async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int, max_images: int,
-                      json_model: type[BaseModel], check: bool = True) -> Uploaded:
+                      json_model: type[BaseModel], check: bool = True,
+                      texts: tuple[str, ...] | None = None) -> Uploaded:
     """Images from ``fields`` of a multipart form, or from a JSON body validated by ``json_model``, in the
     order of ``fields`` whatever the order of the parts (``Uploaded.sources`` says whose each one is).
 
+    With ``texts``, every file of a multipart form whose field is not one of ``texts`` is an image, whatever
+    its field's name, in the order of the parts (DeepStack's register and match take any file field).
     With ``check`` every image is vetted by ``check_image`` (the first bad one raises)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
-        named, others = await _multipart(request, fields, max_images)
-        named.sort(key=lambda item: fields.index(item[0]))  # stable: a field's images keep their order
+        named, others = await _multipart(request, fields, max_images, texts)
+        if texts is None:
+            named.sort(key=lambda item: fields.index(item[0]))  # stable: a field's images keep their order
         sources = [name for name, _ in named]
         images = [data for _, data in named]
     elif content_type == "application/json":
@@ -109,7 +113,8 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
     else:
         raise UnsupportedMedia("send multipart/form-data or application/json", content_type=content_type)
     if not images:
-        raise ApiError(f"no image: send the {' / '.join(fields)} field", code="missing_image")
+        wanted = "each image as a file" if texts is not None else f"the {' / '.join(fields)} field"
+        raise ApiError(f"no image: send {wanted}", code="missing_image")
     if len(images) > max_images:
         raise PayloadTooLarge(f"{len(images)} images; at most {max_images} per request",
                               code="too_many_images")
@@ -123,12 +128,15 @@ async def read_images(request: Request, fields: tuple[str, ...], max_pixels: int
 MAX_FORM_FIELDS = 32
 
 
-async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
-                     ) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+async def _multipart(request: Request, fields: tuple[str, ...], max_images: int,
+                     texts: tuple[str, ...] | None = None) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
     """Image files and other fields of a multipart body: split at C speed when it is plain
-    (``service.multipart``), else by Starlette's parser with its errors and limits."""
+    (``service.multipart``), else by Starlette's parser with its errors and limits. With ``texts``, the
+    image fields are every file field but those."""
     parts = split_form(await request.body(), request.headers.get("content-type", ""),
                        max_images + 1 + MAX_FORM_FIELDS)
+    if texts is not None and parts is not None:
+        fields = tuple({p.name for p in parts if p.filename is not None} - set(texts))
     plain = None if parts is None else _from_parts(parts, fields, max_images)
     if plain is not None:
         return plain
@@ -144,6 +152,8 @@ async def _multipart(request: Request, fields: tuple[str, ...], max_images: int
                        code="invalid_multipart") from exc
     images: list[tuple[str, bytes]] = []
     others: dict[str, Any] = {}
+    if texts is not None:
+        fields = tuple({k for k, v in form.multi_items() if isinstance(v, UploadFile)} - set(texts))
     for key, value in form.multi_items():
         if key in fields and isinstance(value, UploadFile):
             images.append((key, await value.read()))

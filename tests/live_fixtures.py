@@ -72,10 +72,12 @@ def live_api(request: pytest.FixtureRequest, tmp_path: Path, admin_key: str) -> 
     """``live_api(triton_url=None, db_url=None, **sections) -> Live``: a gateway served over HTTP.
 
     Defaults: the session's Triton (``triton_url="127.0.0.1:1"`` for tests that never reach it), a fresh
-    SQLite file. Sections override settings, e.g. ``deepstack={"collection": "home"}``."""
+    SQLite file, listening on loopback (``host="0.0.0.0"``: every address). Sections override settings,
+    e.g. ``deepstack={"collection": "home"}``."""
     numbers = count(1)
     with ExitStack() as stack:
-        def start(triton_url: str | None = None, db_url: str | None = None, **sections: Any) -> Live:
+        def start(triton_url: str | None = None, db_url: str | None = None, host: str = "127.0.0.1",
+                  **sections: Any) -> Live:
             workdir = tmp_path / f"live{next(numbers)}"
             workdir.mkdir()
             url = triton_url or request.getfixturevalue("triton").grpc_url
@@ -85,6 +87,6 @@ def live_api(request: pytest.FixtureRequest, tmp_path: Path, admin_key: str) -> 
                 "gallery": {"snapshot_dir": workdir / "index"},
             }
             app = create_app(GatewaySettings(**_merge(base, sections)))
-            return Live(stack.enter_context(serve(app)), admin_key, app)
+            return Live(stack.enter_context(serve(app, host=host)), admin_key, app)
 
         yield start

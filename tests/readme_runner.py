@@ -232,10 +232,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app: FastAPI, timeout: float = 60.0) -> Iterator[str]:
-    """Run ``app`` with uvicorn on a free port in a background thread; yields its base URL."""
+def serve(app: FastAPI, timeout: float = 60.0, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run ``app`` with uvicorn on a free port in a background thread (listening on ``host``: "0.0.0.0" for
+    every address of this machine); yields its base URL on the loopback address."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, name="readme-gateway", daemon=True)
     thread.start()

@@ -82,7 +82,8 @@ def _no_face(count: int) -> None:
 # --- recognition ----------------------------------------------------------------------------------
 
 @post_admitted("/recognition/recognize", response_model=cf.CfResult, response_model_exclude_none=True,
-             openapi_extra=FILE, summary="CompreFace: recognize every face (subjects at/above the threshold)")
+             openapi_extra=FILE,
+             summary="CompreFace: recognize every face (its nearest subjects, with their similarity)")
 async def recognize(collection: CollectionDep, image: ImageDep, service: ServiceDep, settings: SettingsDep,
                     limit: Limit = 0, prediction_count: Annotated[int, Query(ge=1)] = 1,
                     det_prob_threshold: DetProb = None, face_plugins: Plugins = "", status: Status = False,
@@ -98,9 +99,11 @@ async def recognize(collection: CollectionDep, image: ImageDep, service: Service
     result = []
     for i in cf.picked(found.faces, limit):
         face = cf.cf_face(found.faces, i, plugins, elapsed)
+        # the nearest subjects whatever their similarity, as CompreFace answers: the client decides (a
+        # stranger's best similarity is below 1 - the collection's target FPIR: docs/compat.md)
         face.subjects = [cf.CfSubject(subject=c.external_id,
                                       similarity=cf.similarity(c.score, found.decision))
-                         for c in found.results[i].candidates if c.score >= found.threshold]
+                         for c in found.results[i].candidates]
         result.append(face)
     return cf.CfResult(result=result, plugins_versions=await _versions(service, status))
 

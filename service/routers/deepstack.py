@@ -4,9 +4,11 @@ Assistant's DeepStack face integration speaks through ``deepstack-python``), on 
 ``{"success": true, ...}`` and errors ``{"success": false, "error", "code"}`` with that HTTP status.
 
 ``api_key`` (a form field, as DeepStack takes it; the ``X-API-Key`` header works too) must be a key of that
-collection or the admin key. ``userid`` is the identity's external id. ``confidence`` is our confidence
-(0.5 at the collection's threshold); a face is named only when it reaches the threshold AND
-``min_confidence``, otherwise it is ``"unknown"`` with confidence 0 (docs/compat.md).
+collection or the admin key; a call with no key at all is let through only where the operator chose it
+(``FACEREC_DEEPSTACK__KEYLESS``). Register and match take their images from any file fields, as DeepStack
+does. ``userid`` is the identity's external id. ``confidence`` is our confidence (1 - FPIR at the score);
+a face is named only when it reaches the collection's threshold AND ``min_confidence``, otherwise it is
+``"unknown"`` with confidence 0 (docs/compat.md).
 
 A call is checked cheapest first, so that a caller without a key costs little: the API off is a 404 before
 the body is read; the key is checked before any image is vetted; only then does the call take one of the
@@ -16,6 +18,7 @@ gateway's in-flight slots (shared with the v1 and CompreFace APIs).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from contextlib import AbstractContextManager, suppress
 from typing import Any
@@ -36,10 +39,14 @@ from service.images import MAX_FORM_FIELDS, Uploaded, check_image, read_images
 from service.openapi import image_body
 from service.schemas import Base64Image
 
-#: Image fields a register call may use (DeepStack takes several images per registration); at most
-#: ``limits.max_batch_images`` of them per call.
+#: Image fields of a JSON register call (DeepStack takes several images per registration); at most
+#: ``limits.max_batch_images`` of them per call. A form may name its files anything (DeepStack registers
+#: every file of the form, and matches any two): clients name them ``image<uuid>``.
 IMAGE_FIELDS = ("image", *(f"image{i}" for i in range(1, 17)))
 PAIR_FIELDS = ("image1", "image2")
+#: The text fields of register and match forms: every other file is an image.
+REGISTER_TEXTS = ("api_key", "userid", "min_confidence")
+MATCH_TEXTS = ("api_key",)
 
 
 class DeepStackError(Exception):
@@ -164,10 +171,13 @@ async def _fields(request: Request, model: type[KeyJson]) -> dict[str, Any]:
 
 
 async def _collection(request: Request, settings: SettingsDep, keys: KeysDep, fields: dict[str, Any]) -> str:
-    """The configured collection, when the caller's api_key (form field or X-API-Key) may use it."""
+    """The configured collection, when the caller's api_key (form field or X-API-Key) may use it, or when
+    it sends none and the keyless setting lets it (``FACEREC_DEEPSTACK__KEYLESS``)."""
     key = fields.get("api_key") or request.headers.get("x-api-key")
     name = settings.deepstack.collection
     if not key:
+        if _keyless(settings.deepstack.keyless, request):
+            return name
         raise DeepStackError(401, "an api_key is required")
     found = await lookup_key(keys, key)
     if found is None or not found.can_access(name):
@@ -176,16 +186,30 @@ async def _collection(request: Request, settings: SettingsDep, keys: KeysDep, fi
 
 
 async def _upload(request: Request, settings: SettingsDep, keys: KeysDep, model: type[KeyJson],
-                  fields: tuple[str, ...] = ("image",)) -> tuple[str, Uploaded]:
+                  fields: tuple[str, ...] = ("image",), texts: tuple[str, ...] | None = None
+                  ) -> tuple[str, Uploaded]:
     """The collection and the images of a call, in the order that costs a caller without a key least: the
-    body is read, the key checked, and only then is each image vetted (its header parsed)."""
+    body is read, the key checked, and only then is each image vetted (its header parsed). With ``texts``
+    every file of a form but those fields is an image."""
     limits = settings.limits
     most = min(len(fields), limits.max_batch_images)
-    uploaded = await read_images(request, fields, limits.max_pixels, most, model, check=False)
+    uploaded = await read_images(request, fields, limits.max_pixels, most, model, check=False, texts=texts)
     name = await _collection(request, settings, keys, _texts(uploaded.fields, fields))
     for data, source in zip(uploaded.images, uploaded.sources, strict=True):
         check_image(data, limits.max_pixels, source)
     return name, uploaded
+
+
+def _keyless(setting: str, request: Request) -> bool:
+    """Whether a call without a key may act on the collection: the operator's explicit choice."""
+    if setting == "network":
+        return True
+    if setting != "loopback" or request.client is None:
+        return False
+    try:  # the peer's address as the gateway sees it: behind a proxy on this host, every call is loopback
+        return ipaddress.ip_address(request.client.host).is_loopback
+    except ValueError:
+        return False
 
 
 def _slot(request: Request) -> AbstractContextManager[None]:
@@ -209,6 +233,17 @@ def _min_confidence(fields: dict[str, Any]) -> float | None:
     if value is not None and not 0.0 <= value <= 1.0:
         raise DeepStackError(400, "min_confidence must be a number in [0, 1]")
     return value
+
+
+def _two(uploaded: Uploaded) -> tuple[bytes, bytes] | None:
+    """The two images of a match: image1 then image2 when so named, else any two file fields in their
+    order; two files in one field are not a pair (DeepStack keys a form's files by field)."""
+    named = dict(zip(uploaded.sources, uploaded.images, strict=True))
+    if len(uploaded.images) != 2 or len(named) != 2:
+        return None
+    if set(named) == set(PAIR_FIELDS):
+        return named["image1"], named["image2"]
+    return uploaded.images[0], uploaded.images[1]
 
 
 def _ms(started: float) -> float:
@@ -250,7 +285,7 @@ async def recognize(request: Request, settings: SettingsDep, keys: KeysDep, serv
              openapi_extra=REGISTER, summary="DeepStack: add faces to userid (the largest of each image)")
 async def register(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    name, uploaded = await _upload(request, settings, keys, RegisterJson, IMAGE_FIELDS)
+    name, uploaded = await _upload(request, settings, keys, RegisterJson, IMAGE_FIELDS, REGISTER_TEXTS)
     userid = str(uploaded.fields.get("userid") or "").strip()
     if not userid or "/" in userid or len(userid) > 256:
         raise DeepStackError(400, "userid not specified (or longer than 256 characters, or with a '/')")
@@ -289,10 +324,10 @@ async def delete(request: Request, settings: SettingsDep, keys: KeysDep, service
              summary="DeepStack: similarity of the (largest) faces of image1 and image2")
 async def match(request: Request, settings: SettingsDep, keys: KeysDep, service: ServiceDep) -> Answer:
     started = time.perf_counter()
-    _, uploaded = await _upload(request, settings, keys, PairJson, PAIR_FIELDS)
-    pair = uploaded.pair("image1", "image2")
+    _, uploaded = await _upload(request, settings, keys, PairJson, PAIR_FIELDS, MATCH_TEXTS)
+    pair = _two(uploaded)
     if pair is None:
-        raise DeepStackError(400, "send image1 and image2, one image each")
+        raise DeepStackError(400, "send two images (image1 and image2, or any two file fields)")
     with _slot(request):
         verified = await service.verify_images(*pair, None)
     return Answer(similarity=round(verified.decision.confidence(verified.score), 4), duration=_ms(started))
