@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -12,8 +13,6 @@ from numpy.typing import NDArray
 
 from bench.gallery_measure import K, MemoryProbe, Row, Truth, measure, release_free_memory, status_kib
 from gallery.engines.index import FaceIndex, IndexConfig, IndexKind
-from gallery.engines.milvus import MilvusEngine
-from gallery.engines.milvus_lite import MilvusLite
 from gallery.store.store import CollectionInfo
 
 Vectors = NDArray[np.float32]
@@ -83,8 +82,22 @@ def bench_faiss(vectors: Vectors, kind: str, truth: Truth, threshold: float) -> 
     return row
 
 
+def milvus_missing() -> str | None:
+    """Why the Milvus-lite rows cannot run here, or None: they need the `milvus` extra, which
+    ``.[server,cpu,bench]`` does not install."""
+    for module in ("milvus_lite", "pymilvus"):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # any failure to import counts (milvus-lite 3.x: pyarrow wants numpy 2)
+            return f"{module}: {exc}; install the `milvus` extra for them"
+    return None
+
+
 def bench_milvus(vectors: Vectors, truth: Truth, threshold: float) -> Row:
     """The gallery's Milvus engine on a milvus-lite server of its own (FLAT index: exact)."""
+    from gallery.engines.milvus import MilvusEngine
+    from gallery.engines.milvus_lite import MilvusLite  # imports milvus_lite: the `milvus` extra
+
     row = Row(len(vectors), vectors.shape[1], "milvus-lite")
     ids = np.arange(len(vectors), dtype=np.int64)
     info = CollectionInfo(1, "bench", "synthetic", vectors.shape[1], threshold, False, datetime.now(UTC))

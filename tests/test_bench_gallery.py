@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,15 @@ def test_benchmark_case_reports_plausible_figures() -> None:
     assert "exact (Flat)" in rows[0] and "| 1.0000 (1.0000) | 100.00% / 100.00% | 1.0000 |" in rows[0]
     text = document("python -m bench.gallery", [exact, pq], [(2_000, 32, stats)], "test machine")
     assert "How to read this" in text and "Machine: test machine" in text
+
+
+def test_without_the_milvus_extra_its_rows_are_skipped_and_said_so(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """`pip install -e '.[server,cpu,bench]'` has no milvus_lite: the benchmark runs without its rows."""
+    monkeypatch.setitem(sys.modules, "milvus_lite", None)  # its import now fails
+    _, rows = benchmark_case(1_000, 16, queries=20, candidates=(), milvus_max=1_000)
+    assert [row.index for row in rows] == ["exact"]
+    assert "Milvus-lite rows skipped: milvus_lite" in caplog.text and "`milvus` extra" in caplog.text
 
 
 def test_command_line_writes_the_report(tmp_path: Path) -> None:
