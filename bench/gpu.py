@@ -5,7 +5,7 @@
 
 TensorRT cannot be installed on the machines this project is built and lent on (no TensorRT on PyPI that
 installs, none on the lent GPU host), so the gpu profile's ONNX files run with PyTorch operations
-(``bench.onnx_torch``), in float32 and in float16 (``torch.autocast``). That is the same arithmetic on the
+(``export.onnx_torch``), in float32 and in float16 (``torch.autocast``). That is the same arithmetic on the
 same GPU, not what a TensorRT plan reaches: TensorRT fuses layers and picks kernels per shape, and is
 usually faster than PyTorch. ``bundle`` copies what ``run`` needs from the gpu model
 repository (``python -m export defaults``) and the test photos (``python -m export photos``); ``run`` needs
@@ -141,59 +141,17 @@ def _torch() -> Any:
     return torch
 
 
-def reduced_dtype(device: str) -> Any:
-    torch = _torch()
-    return torch.float16 if device.startswith("cuda") else torch.bfloat16
-
-
 def precisions(device: str) -> list[tuple[str, bool]]:
     """(name, reduced) of the precisions measured: float32, and on a GPU float16. On a CPU (the tests) the
     reduced precision is left out: there it is emulated on most CPUs, and this benchmark is for GPUs."""
     if not device.startswith("cuda"):
         return [("float32", False)]
-    return [("float32", False), (str(reduced_dtype(device)).removeprefix("torch."), True)]
+    return [("float32", False), ("float16", True)]
 
 
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         _torch().cuda.synchronize()
-
-
-def module_runner(path: Path, output_names: Sequence[str], device: str, reduced: bool, graphs: bool = False
-                  ) -> Callable[[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]]]:
-    """A ``facecore.runtimes.Runner`` over the ONNX file run by PyTorch (``bench.onnx_torch``): numpy in,
-    numpy float32 out, in ``output_names`` order; ``reduced``: autocast to float16 (bfloat16 on a CPU);
-    ``graphs``: each input shape is captured once as a CUDA graph and replayed (a GPU only)."""
-    from bench.onnx_torch import OnnxModule, ordered
-
-    torch = _torch()
-    torch.backends.cudnn.benchmark = True  # cuDNN times its kernels per shape, as an engine build would
-    module = OnnxModule(path, device)
-    order = ordered(module, output_names)
-    dtype = reduced_dtype(device)
-    captured: dict[tuple[Any, ...], tuple[Any, Any, list[Any]]] = {}
-
-    def forward(x: Any) -> list[Any]:
-        with torch.inference_mode(), torch.autocast(device.split(":")[0], dtype=dtype, enabled=reduced,
-                                                    cache_enabled=False):
-            return module(x)
-
-    def run(batch: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
-        x = torch.from_numpy(np.ascontiguousarray(batch))
-        if not graphs:
-            outs = forward(x.to(device))
-        else:
-            key = (tuple(x.shape), x.dtype)
-            if key not in captured:
-                static = x.to(device)
-                graph = cuda_graph(lambda: forward(static), keep=True)
-                captured[key] = (graph, static, graph.outputs)
-            graph, static, outs = captured[key]
-            static.copy_(x)
-            graph.replay()
-        return [outs[i].float().cpu().numpy() for i in order]
-
-    return run
 
 
 def _timed(call: Callable[[], Any], device: str, seconds: float) -> float:
@@ -216,39 +174,9 @@ def _timed(call: Callable[[], Any], device: str, seconds: float) -> float:
     return statistics.median(rounds)
 
 
-class _Captured:
-    """A captured CUDA graph and the outputs its replays write to."""
-
-    def __init__(self, graph: Any, outputs: Any) -> None:
-        self.graph, self.outputs = graph, outputs
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-def _same(call: Callable[[], Any]) -> Callable[[], Any]:
-    return call
-
-
-def cuda_graph(call: Callable[[], Any], keep: bool = False) -> Any:
-    """``call`` captured once as a CUDA graph (its input tensors fixed): its ``replay``, or with ``keep`` an
-    object with ``replay()`` and the ``outputs`` each replay rewrites."""
-    torch = _torch()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on a side stream, as capture requires
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = call()
-    return _Captured(graph, outputs) if keep else graph.replay
-
-
 def measure_networks(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes
                      ) -> list[dict[str, Any]]:
-    from bench.onnx_torch import OnnxModule
+    from export.onnx_torch import OnnxModule, cuda_graph, reduced_dtype
 
     torch = _torch()
     torch.backends.cudnn.benchmark = True
@@ -269,12 +197,10 @@ def measure_networks(folder: Path, settings: PipelineSettings, device: str, size
                                                                 enabled=reduced, cache_enabled=False):
                         return m(x)
 
-                runs: list[tuple[str, Callable[[], Callable[[], Any]]]] = [("eager", partial(_same, call))]
-                if device.startswith("cuda"):
-                    runs.append(("cuda graph", partial(cuda_graph, call)))
-                for how, make in runs:
+                for how in ("eager", "cuda graph") if device.startswith("cuda") else ("eager",):
                     try:
-                        seconds = _timed(make(), device, sizes.seconds)
+                        seconds = _timed(call if how == "eager" else cuda_graph(call).replay, device,
+                                         sizes.seconds)
                     except RuntimeError as exc:  # a capture that fails loses that row, not the part
                         rows.append({"network": role, "precision": precision, "run": how, "batch": batch,
                                      "error": str(exc)[:300]})
@@ -286,11 +212,6 @@ def measure_networks(folder: Path, settings: PipelineSettings, device: str, size
                              seconds * 1000, batch / seconds)
         del module
     return rows
-
-
-def _plan_runner(path: Path, names: Sequence[str], device: str, reduced: bool
-                 ) -> Callable[[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]]]:
-    return module_runner(path, names, device, reduced)
 
 
 def precision_variants(device: str) -> list[tuple[str, bool, bool]]:
@@ -314,6 +235,7 @@ def measure_precision(folder: Path, settings: PipelineSettings, device: str) -> 
     for the detector what moved: every decision that changed, and the largest change of each measure the
     decisions are made from."""
     from export.engine_check import EngineChecker, _detector, _embedder, load_check_images, onnx_runner
+    from export.onnx_torch import torch_runner
     from facecore.pipeline import run_pipeline
 
     rows = []
@@ -324,16 +246,15 @@ def measure_precision(folder: Path, settings: PipelineSettings, device: str) -> 
     try:
         for precision, reduced, allow_tf32 in precision_variants(device):
             _set_tf32(allow_tf32)
-            checker = EngineChecker(settings, images,
-                                    partial(_plan_runner, device=device, reduced=reduced))
+            checker = EngineChecker(settings, images, partial(torch_runner, device=device, reduced=reduced))
             checker._references[(detector, embedder)] = reference  # computed once for every variant
             for check in (checker.check_detector(detector, detector, embedder, precision),
                           checker.check_embedder(embedder, embedder, detector, precision)):
                 row = {**asdict(check), "runtime": f"pytorch {device}"}
                 if check.network == "detector":
                     got = run_pipeline(images, [settings.default_options] * len(images), settings,
-                                       _detector(module_runner(detector, settings.detector.output_names,
-                                                               device, reduced)),
+                                       _detector(torch_runner(detector, settings.detector.output_names,
+                                                              device, reduced)),
                                        _embedder(onnx_runner(embedder, settings.embedder.output_names)))
                     row |= moved(reference, got, settings.embedder.match_threshold)
                 rows.append(row)
@@ -427,8 +348,8 @@ def _pipeline_worker(folder: str, device: str, graphs: bool, names: Sequence[str
                      barrier: Any, results: Any) -> None:
     import cv2
 
+    from export.onnx_torch import torch_runner
     from facecore.pipeline import run_pipeline
-    from facecore.processing import decode_sized
 
     torch = _torch()
     torch.set_num_threads(1)
@@ -436,8 +357,8 @@ def _pipeline_worker(folder: str, device: str, graphs: bool, names: Sequence[str
     path = Path(folder)
     settings = load_settings(path)
     reduced = precisions(device)[-1][1]
-    detect_run = module_runner(path / DETECTOR_FILE, settings.detector.output_names, device, reduced, graphs)
-    embed_run = module_runner(path / EMBEDDER_FILE, settings.embedder.output_names, device, reduced, graphs)
+    detect_run = torch_runner(path / DETECTOR_FILE, settings.detector.output_names, device, reduced, graphs)
+    embed_run = torch_runner(path / EMBEDDER_FILE, settings.embedder.output_names, device, reduced, graphs)
 
     def detect(batch: np.ndarray[Any, Any]) -> Any:
         loc, conf, landmarks = detect_run(batch)
@@ -499,6 +420,8 @@ def measure_pipeline(folder: Path, device: str, sizes: Sizes, cores: int) -> lis
 # --- gallery -----------------------------------------------------------------------------------------
 
 def measure_gallery(device: str, sizes: Sizes) -> list[dict[str, Any]]:
+    from export.onnx_torch import reduced_dtype
+
     torch = _torch()
     rows: list[dict[str, Any]] = []
     dtype = reduced_dtype(device)

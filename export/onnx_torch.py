@@ -1,12 +1,13 @@
-"""Run an ONNX graph with PyTorch operations, on any device PyTorch has: the GPU benchmark's stand-in for
-TensorRT (``bench/gpu.py``), where neither TensorRT nor onnxruntime-gpu can be installed.
+"""Run an ONNX graph with PyTorch operations, on any device PyTorch has: the path from the project's ONNX
+files to a GPU where neither TensorRT nor onnxruntime-gpu can be installed (``bench/gpu.py`` measures
+the gpu profile with it, standing in for TensorRT).
 
 A small interpreter, not a converter: the graph's nodes run in their (topological) order, each as the
 PyTorch operation with ONNX's semantics, for the operators the project's networks use (RetinaFace with
 the served uint8 input, SFace, IResNet-style embedders). Shape arithmetic (``Shape``, ``Gather``, ``Slice``
 ... on int64 tensors) stays on the CPU, so a forward pass never waits for the device and can be captured
 in a CUDA graph; float tensors live on ``device``. Reduced precision comes from ``torch.autocast`` around
-the call. An operator outside the list raises ``NotImplementedError`` naming it.
+the call (``torch_runner``). An operator outside the list raises ``NotImplementedError`` naming it.
 """
 
 from __future__ import annotations
@@ -203,3 +204,69 @@ class OnnxModule:
 def ordered(module: OnnxModule, names: Sequence[str]) -> list[int]:
     """Positions of ``names`` among the module's outputs."""
     return [module.output_names.index(n) for n in names]
+
+
+def reduced_dtype(device: str) -> torch.dtype:
+    """The reduced precision of a device: float16 on a GPU, bfloat16 on a CPU."""
+    return torch.float16 if device.startswith("cuda") else torch.bfloat16
+
+
+class CapturedGraph:
+    """A captured CUDA graph and the outputs each of its replays rewrites."""
+
+    def __init__(self, graph: Any, outputs: Any) -> None:
+        self.graph, self.outputs = graph, outputs
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def cuda_graph(call: Callable[[], Any]) -> CapturedGraph:
+    """``call`` captured once as a CUDA graph, its input tensors fixed: a replay runs it with no Python or
+    launch cost per operator."""
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as capture requires
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    return CapturedGraph(graph, outputs)
+
+
+Array = np.ndarray[Any, Any]
+
+
+def torch_runner(path: Path, output_names: Sequence[str], device: str, reduced: bool = False,
+                 graphs: bool = False) -> Callable[[Array], list[Array]]:
+    """A ``facecore.runtimes.Runner`` over the ONNX file run by PyTorch: numpy in, numpy float32 out, in
+    ``output_names`` order; ``reduced``: autocast to ``reduced_dtype``; ``graphs``: each input shape is
+    captured once as a CUDA graph and replayed (a GPU only)."""
+    torch.backends.cudnn.benchmark = True  # cuDNN times its kernels per shape, as an engine build would
+    module = OnnxModule(path, device)
+    order = ordered(module, output_names)
+    captured: dict[tuple[Any, ...], tuple[CapturedGraph, Any]] = {}
+
+    def forward(x: Any) -> list[Any]:
+        with torch.inference_mode(), torch.autocast(device.split(":")[0], dtype=reduced_dtype(device),
+                                                    enabled=reduced, cache_enabled=False):
+            return module(x)
+
+    def run(batch: Array) -> list[Array]:
+        x = torch.from_numpy(np.ascontiguousarray(batch))
+        if not graphs:
+            outs = forward(x.to(device))
+        else:
+            key = (tuple(x.shape), x.dtype)
+            if key not in captured:
+                static = x.to(device)
+                captured[key] = (cuda_graph(lambda: forward(static)), static)
+            graph, static = captured[key]
+            static.copy_(x)
+            graph.replay()
+            outs = graph.outputs
+        return [outs[i].float().cpu().numpy() for i in order]
+
+    return run
