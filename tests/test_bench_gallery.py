@@ -80,39 +80,3 @@ def test_command_line_writes_the_report(tmp_path: Path) -> None:
     text = out.read_text()
     assert "python -m bench.gallery --sizes 1000" in text and "| 1,000 | 16 | exact (Flat) |" in text
     assert '"recall_at_10": 1.0' in results.read_text()
-
-
-def test_the_growth_benchmark_measures_a_grown_index_beside_the_gallery_rule(tmp_path: Path) -> None:
-    """``bench.gallery_growth``: chosen at 2,000 faces, grown to 2,500 (within 1.5x: the rule keeps it)
-    and 4,000 (past it: measured again there), each row checked against exact search."""
-    from bench.gallery_growth import main as growth
-
-    out = tmp_path / "gallery.md"
-    argv = ["--first", "2000", "--sizes", "2500", "4000", "--dims", "32", "--queries", "50",
-            "--out", str(out)]
-    assert growth(argv) == 0
-    rows = [line.split(" | ") for line in out.read_text().splitlines()
-            if line.startswith(("| 2,500", "| 4,000"))]
-    assert [(r[0], r[2], r[4]) for r in rows] == [
-        ("| 2,500", "grown", "2,000"), ("| 2,500", "gallery rule", "2,000"),
-        ("| 4,000", "grown", "2,000"), ("| 4,000", "gallery rule", "4,000")]
-    assert rows[3][5] != "—" and rows[1][5] == "—"  # measured again at 4,000 only
-    assert all(r[6].startswith(("1.0000", "0.9")) for r in rows)
-    with pytest.raises(SystemExit):
-        growth(["--first", "2000", "--sizes", "2000"])
-
-
-def test_the_pauses_benchmark_times_searches_by_what_they_overlapped(tmp_path: Path) -> None:
-    """``bench.gallery_pauses``: a small run writes its table, a row for idle, snapshots and syncs, and
-    refuses sizes below one."""
-    from bench.gallery_pauses import main as pauses
-
-    out = tmp_path / "gallery.md"
-    argv = ["--faces", "3000", "--dim", "32", "--import", "300", "--rounds", "2", "--out", str(out)]
-    assert pauses(argv) == 0
-    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")][1:]
-    assert [r[0] for r in rows] == ["| none (idle, 1 s)", "| snapshot of the 3,000-face collection",
-                                    "| sync applying 300 new faces"]
-    assert int(rows[0][2]) > 50 and len(rows[1][1].split(" / ")) == 2  # searched throughout; two rounds
-    with pytest.raises(SystemExit):
-        pauses(["--rounds", "0"])
