@@ -21,13 +21,12 @@ In this order:
    machine's drift falls on all three alike (the p50 latency target's figures); then REST identify at its
    best concurrency of the sweep and at 16, alternating for 3 rounds (``stack.hold_check``: the target of
    throughput holding at 16);
-4. perf_analyzer 2.51 against face_pipeline with real JPEG data (``bench/perf_analyzer.py``);
-5. enrollment throughput (``bench/enroll.py``) against the same Triton;
-6. the memory run: REST identify at concurrency 16 for ``--memory-minutes``, resident memory sampled;
-7. the ceiling's second pass, alone again: the served and ONNX Runtime rows' stage split and layouts
+4. enrollment throughput (``bench/enroll.py``) against the same Triton;
+5. the memory run: REST identify at concurrency 16 for ``--memory-minutes``, resident memory sampled;
+6. the ceiling's second pass, alone again: the served and ONNX Runtime rows' stage split and layouts
    measured once more, each keeping the better of its two passes (the machine's speed drifts; noise only
    slows a measurement down);
-8. gallery search scaling (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
+7. gallery search scaling (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
 
 Then the ratios, the targets table and the plots go to ``<out>/README.md`` (between marker comments),
 ``<out>/*.png`` and ``<out>/results.json``; the gallery and enrollment sections to ``<out>/gallery.md``.
@@ -47,16 +46,15 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import ceiling, latency, naive, perf_analyzer, plain, report, stack
+from bench import ceiling, latency, naive, plain, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
 from bench.core.reporting import machine_description
-from bench.naive_agreement import describe as describe_agreement
 from bench.results import HIGH_CONCURRENCY, peak
 from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
 
-PARTS = ("ceiling", "naive", "stack", "latency", "hold", "perf_analyzer", "enroll", "memory", "gallery")
+PARTS = ("ceiling", "naive", "stack", "latency", "hold", "enroll", "memory", "gallery")
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,6 @@ class Plan:
     naive_threads: tuple[int, ...]
     naive_variants: tuple[str, ...]
     ceiling: ceiling.CeilingOptions
-    pa: perf_analyzer.PaOptions
     enroll_images: int
     enroll_repeats: int
     latency_rounds: int
@@ -112,9 +109,6 @@ def plan(args: argparse.Namespace) -> Plan:
             seconds=seconds, repeats=2 if quick else 5, split_repeats=5 if quick else 15,
             embedder_batches=(1, 4, 16) if quick else ceiling.EMBEDDER_BATCHES,
             threads=threads, layouts=_layouts(args.layouts), fixed=not (args.no_fixed or quick)),
-        pa=perf_analyzer.PaOptions(concurrency=tuple(args.pa_concurrency),
-                                   measurement_ms=args.pa_measurement_ms or (1000 if quick else 4000),
-                                   max_trials=5 if quick else 8),
         enroll_images=args.enroll_images or (24 if quick else 100),
         enroll_repeats=args.enroll_repeats or (1 if quick else 3),
         latency_rounds=args.latency_rounds or (30 if quick else latency.ROUNDS),
@@ -159,20 +153,8 @@ def _enroll(results: report.Results, out: Path, url: str, images: int, repeats: 
                       + enroll.table(json.loads(data.read_text())["rows"]))
 
 
-def _agreement(results: report.Results, photos: dict[str, bytes], naive_servers: list[naive.NaiveServer],
-               threshold: float) -> None:
-    """The naive variants' faces and decisions against plain's, on the run's photos and the enrolled one
-    (so that one pair of faces is the same person)."""
-    checked = {**photos, **load_photos([stack.ENROLLED])}
-    agreements = naive.agreement(naive_servers, checked, threshold)
-    results.naive_agreement = describe_agreement(agreements)
-    for item in agreements:
-        log.log(logging.INFO if item.decisions_agree else logging.WARNING, "naive %s vs plain: %s",
-                item.variant, item.describe())
-
-
 def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_servers: list[naive.NaiveServer],
-           running: stack.Stack | None, threshold: float) -> None:
+           running: stack.Stack | None) -> None:
     """Naive, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers not under
     load sit idle (measured: ~1 % of a core for the gateway's change-log follower, ~0 for the others), and a
     slow drift of a shared machine hits all three alike instead of skewing their ratios."""
@@ -180,7 +162,6 @@ def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_ser
     for server in naive_servers:
         log.info("naive %s, %d thread(s), %s: %d face(s)", server.variant, server.threads, first,
                  naive.faces_found(server, first, photos[first]))
-    _agreement(results, photos, naive_servers, threshold)
     by_variant = {naive.SERVED: results.naive, naive.SERVED_ORT: results.naive_onnxruntime,
                   naive.PLAIN: results.naive_plain}
     client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
@@ -239,10 +220,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
         "seconds per point": p.seconds, "concurrency": list(p.concurrency), "photos": list(p.photos),
         "memory minutes": p.memory_minutes, "naive variants": list(p.naive_variants),
         "naive intra-op threads": list(p.naive_threads),
-        "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts],
-        "perf_analyzer window ms": p.pa.measurement_ms})
+        "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts]})
     photos = load_photos(p.photos)
-    first = {p.photos[0]: photos[p.photos[0]]}  # perf_analyzer and memory: the 1-face photo
     models = served_models(args.repository)
     out: Path = args.out
     version = ""
@@ -256,7 +235,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
         run_part(results, "ceiling", p.skip, do_ceiling)  # alone: it uses every core itself
         with ExitStack() as servers:
             running: stack.Stack | None = None
-            stack_parts = {"stack", "latency", "hold", "perf_analyzer", "enroll", "memory"} - p.skip
+            stack_parts = {"stack", "latency", "hold", "enroll", "memory"} - p.skip
             if stack_parts:
                 try:
                     running = servers.enter_context(stack.running_stack(args.repository,
@@ -266,7 +245,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                     log.exception("the stack did not start")
                     for part in stack_parts:
                         results.errors[part] = f"the stack did not start: {type(exc).__name__}: {exc}"
-            with ExitStack() as naive_apps:  # stopped before perf_analyzer, enroll and the memory run
+            with ExitStack() as naive_apps:  # stopped before enroll and the memory run
                 naive_servers: list[naive.NaiveServer] = []
                 if "naive" not in p.skip:
                     for variant in p.naive_variants:
@@ -284,8 +263,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                 measured = running if "stack" not in p.skip else None
                 if naive_servers or measured:
                     run_part(results, "naive + stack (alternating)", frozenset(),
-                             lambda: _loads(results, p, photos, naive_servers, measured,
-                                            models.settings.embedder.match_threshold))
+                             lambda: _loads(results, p, photos, naive_servers, measured))
             if running is not None:
                 stacked = running
 
@@ -298,9 +276,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
                 def do_hold() -> None:
                     results.hold = _hold(results, p, stacked, photos)
 
-                def do_pa() -> None:
-                    results.perf_analyzer = perf_analyzer.measure(stacked.triton_grpc, first, p.pa)
-
                 def do_enroll() -> None:
                     _enroll(results, out, stacked.triton_grpc, p.enroll_images, p.enroll_repeats, folder)
 
@@ -310,7 +285,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
 
                 run_part(results, "latency", p.skip, do_latency)
                 run_part(results, "hold", p.skip, do_hold)
-                run_part(results, "perf_analyzer", p.skip, do_pa)
                 run_part(results, "enroll", p.skip, do_enroll)
                 if p.memory_minutes > 0:
                     run_part(results, "memory", p.skip, do_memory)
@@ -338,7 +312,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--repository", type=Path, default=REPOSITORY, help="CPU model repository")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photos (the first one also for "
-                        "naive, perf_analyzer and the memory run; default: obama.jpg t1.jpg)")
+                        "naive and the memory run; default: obama.jpg t1.jpg)")
     parser.add_argument("--naive-variants", nargs="+", default=list(naive.VARIANTS), choices=naive.VARIANTS,
                         help="naive baselines: served (the served settings and files) and plain (fixed "
                         "640x640, SFace without the PReLU rewrite); default: both")
@@ -349,9 +323,6 @@ def arguments() -> argparse.ArgumentParser:
                         help="ceiling: processes x intra-op threads (default: 1x1 1x2 2x1)")
     parser.add_argument("--no-fixed", action="store_true",
                         help="ceiling: skip the fixed 640x640 input (--quick skips it too)")
-    parser.add_argument("--pa-concurrency", type=int, nargs="+", default=list(perf_analyzer.CONCURRENCY))
-    parser.add_argument("--pa-measurement-ms", type=int,
-                        help="perf_analyzer window (default: 4000; quick: 1000)")
     parser.add_argument("--enroll-images", type=int, help="bench.enroll images (default: 100; quick: 24)")
     parser.add_argument("--enroll-repeats", type=int, help="bench.enroll rounds (default: 3; quick: 1)")
     parser.add_argument("--latency-rounds", type=int,

@@ -31,11 +31,8 @@ from bench.core.inputs import ARTIFACTS, PHOTOS, ServedModels, load_photos, serv
 from bench.core.load import LoadRow, MultipartSender, run_load
 from bench.core.processes import Watched, free_port, start_server
 from bench.core.reporting import markdown_table
-from bench.naive_agreement import Agreement, compare_all
 from facecore.runtimes import Runtime, RuntimeChoice
 from service.launcher import stop_process
-
-__all__ = ["Agreement", "NaiveServer", "agreement", "embed", "measure", "measure_once", "naive_server"]
 
 log = logging.getLogger(__name__)
 
@@ -134,17 +131,6 @@ def embed(server: NaiveServer, name: str, data: bytes) -> list[dict[str, Any]]:
 
 def faces_found(server: NaiveServer, name: str, data: bytes) -> int:
     return len(embed(server, name, data))
-
-
-def agreement(servers: Sequence[NaiveServer], photos: dict[str, bytes], threshold: float) -> list[Agreement]:
-    """Each variant's faces and decisions against plain's (``bench.naive_agreement``); one server per
-    variant is asked (the first of each)."""
-    first: dict[str, NaiveServer] = {}
-    for server in servers:
-        first.setdefault(server.variant, server)
-    faces = {variant: {name: embed(server, name, data) for name, data in photos.items()}
-             for variant, server in first.items()}
-    return compare_all(faces, threshold)
 
 
 def measure(models: ServedModels, photos: dict[str, bytes], threads: Sequence[int] = THREADS,

@@ -6,7 +6,7 @@
 Prints a Markdown table (and writes JSON with --json): latency percentiles at concurrency 1,
 throughput at concurrency 8, and Triton's own statistics (average batch size per model, queue time per
 request, compute time per execution from the batch statistics; ``bench.core.triton.statistics_delta``).
-``python -m bench`` runs the whole comparison (ceiling, naive baseline, REST and gRPC, perf_analyzer).
+``python -m bench`` runs the whole comparison (ceiling, naive baseline, REST and gRPC, memory).
 """
 
 from __future__ import annotations

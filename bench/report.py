@@ -17,7 +17,6 @@ from pathlib import Path
 from bench import ceiling as ceiling_part
 from bench import latency as latency_part
 from bench import naive as naive_part
-from bench import perf_analyzer as pa_part
 from bench import report_text as text
 from bench import stack as stack_part
 from bench.ceiling import PhotoCeiling
@@ -113,8 +112,6 @@ def baselines_text(results: Results) -> str:
     if served and plain:
         lines.append(say(text.TOGETHER, speedup=served.throughput / plain.throughput, c=c,
                          served=served.throughput, plain=plain.throughput, photo=ONE_FACE))
-    if results.naive_agreement:
-        lines.append(say(text.SAME_DECISIONS, agreement=results.naive_agreement))
     return "\n".join(lines)
 
 
@@ -144,12 +141,6 @@ def _load_sections(results: Results) -> list[str]:
         parts += [text.LATENCY_HEADING,
                   say(text.LATENCY, pause=results.paired_latency[0].pause_ms, warmup=latency_part.WARMUP),
                   latency_part.table(results.paired_latency)]
-    if results.perf_analyzer:
-        first = results.perf_analyzer[0]
-        parts += [text.PERF_ANALYZER_HEADING,
-                  say(text.PERF_ANALYZER, version=first.version or "perf_analyzer",
-                      sha256=pa_part.WHEEL.sha256, command=first.command),
-                  pa_part.table(results.perf_analyzer)]
     return parts
 
 

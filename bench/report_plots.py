@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.results import ONE_FACE, SIX_FACES, Results, served_ceiling
-from bench.stack import GRPC
 
 PLOTS = {"throughput": "throughput.png", "latency": "latency.png", "memory": "memory.png"}
 
@@ -94,8 +93,4 @@ def _series(results: Results) -> dict[tuple[str, str], list[tuple[int, float]]]:
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for row in [*results.stack, *results.naive, *results.naive_plain]:
         series.setdefault((row.target, row.photo), []).append((row.concurrency, row.throughput))
-    for result in results.perf_analyzer:
-        for pa in result.rows:
-            series.setdefault((f"perf_analyzer (gRPC, {GRPC.split()[1]})", result.photo), []).append(
-                (pa.concurrency, pa.throughput))
     return {key: sorted(values) for key, values in series.items()}

@@ -109,13 +109,6 @@ def ratios(results: Results) -> list[Ratio]:
                 add(say(text.RATIO_LATENCY_PAIRED, target=target, photo=photo), paired.p50_ms(target),
                     say(text.MS, value=paired.p50_ms(target)), paired.ceiling_ms,
                     say(text.MS, value=paired.ceiling_ms))
-    for result in results.perf_analyzer:
-        for pa in result.rows:
-            ours = find(results.stack, GRPC, result.photo, pa.concurrency)
-            if ours:
-                add(say(text.RATIO_PERF_ANALYZER, photo=result.photo, c=pa.concurrency), pa.throughput,
-                    say(text.IMAGES_PER_S, value=pa.throughput), ours.throughput,
-                    say(text.IMAGES_PER_S, value=ours.throughput))
     return out
 
 

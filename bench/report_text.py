@@ -31,7 +31,6 @@ RATIO_WORK_REDUCTIONS = "{served} / {plain}, {photo}, concurrency {c} (the work 
 RATIO_GATEWAY = "{rest} / {grpc}, {photo}, concurrency {c} (the gateway's cost)"
 RATIO_LATENCY = "{target} p50 at concurrency 1 / ceiling single image, {photo}"
 RATIO_LATENCY_PAIRED = "{target} p50 at concurrency 1 / ceiling single image, {photo}, paired rounds"
-RATIO_PERF_ANALYZER = "perf_analyzer / this benchmark's gRPC client, {photo}, concurrency {c}"
 
 # --- targets: names and what was measured -------------------------------------------------------------
 PASS, SHORT, NOT_MEASURED = "pass", "falls short", "not measured"
@@ -166,10 +165,9 @@ RUNTIME_ALONE = ("- the served runtime alone, in the naive app: {speedup:.2f}x a
                  "({served:.1f} instead of {ort:.1f} images/s on ONNX Runtime, {photo}).")
 TOGETHER = ("- together, in the naive app: {speedup:.2f}x at concurrency {c} ({served:.1f} instead of "
             "{plain:.1f} images/s, {photo}).")
-SAME_DECISIONS = "- the same decisions: {agreement}."
 
 # --- the document -------------------------------------------------------------------------------------
-TITLE = "## Serving: ceiling, naive baseline, our stack, perf_analyzer, memory (`python -m bench`)"
+TITLE = "## Serving: ceiling, naive baseline, our stack, memory (`python -m bench`)"
 HEADER = ("Command: `{command}`  \nDate: {date}  \nMachine: {machine}  \nRun: {settings}  \n"
           "Served (model_repository): {served}  \nWall time per part: {seconds}")
 SETTING = "{name} {value}"
@@ -199,9 +197,6 @@ LATENCY = ("Each round times the in-process ceiling's single image (decode + `ru
            "ceiling's own single image and the stack's p50 at concurrency 1 above were measured minutes "
            "apart. The p50 latency targets use these figures; each ratio here is the call's median over the "
            "ceiling's median in the same rounds.")
-PERF_ANALYZER_HEADING = "### perf_analyzer against face_pipeline (`bench/perf_analyzer.py`)"
-PERF_ANALYZER = ("{version} from the `tritonclient==2.51.0` wheel (sha256 `{sha256}`), real JPEG input data, "
-                 "gRPC. Command per concurrency: `{command}`")
 MEMORY_HEADING = "### Memory: REST identify at concurrency {c} for {minutes:g} min"
 MEMORY = ("Resident memory sampled every {interval:.1f} s after a {warmup:.0f} s warm-up at the same load "
           "({samples} samples; {requests} requests, {throughput:.1f} images/s, {errors} errors). Every "

@@ -4,14 +4,13 @@ the report's ratios, targets and plots share."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from bench import ceiling as ceiling_part
 from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.load import LoadRow
 from bench.latency import PairedLatency
-from bench.perf_analyzer import PaResult, PaRow
 from bench.stack import HoldCheck, MemoryRun
 
 ONE_FACE, SIX_FACES = "obama.jpg", "t1.jpg"
@@ -40,13 +39,11 @@ class Results:
     naive_plain: list[LoadRow] = field(default_factory=list)  # ... fixed 640x640, PReLU embedder
     naive_onnxruntime: list[LoadRow] = field(default_factory=list)  # the served files on ONNX Runtime f32
     plain_check: str = ""  # bench.plain: the plain embedder equals the served one (PlainModels.describe)
-    naive_agreement: str = ""  # faces and decisions of each naive variant vs plain
     stack: list[LoadRow] = field(default_factory=list)
     #: the ceiling's single image, gRPC and REST at concurrency 1, in turn (bench/latency.py)
     paired_latency: list[PairedLatency] = field(default_factory=list)
     #: REST identify at its best concurrency and at 16, alternating (bench/stack.py hold_check)
     hold: list[HoldCheck] = field(default_factory=list)
-    perf_analyzer: list[PaResult] = field(default_factory=list)
     memory: MemoryRun | None = None
     gallery: str = ""  # the gallery benchmark's Markdown tables
     enroll: str = ""
@@ -61,12 +58,11 @@ class Results:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Results:
         """The inverse of ``to_json`` (``results.json`` back into a ``Results``: re-render a report)."""
-        values = dict(data)
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}  # parts since removed are left out
         values["ceiling"] = [_ceiling(c) for c in data["ceiling"]]
         for name in ("naive", "naive_plain", "naive_onnxruntime", "stack"):
             values[name] = [LoadRow(**row) for row in data.get(name, [])]
-        values["perf_analyzer"] = [PaResult(**{**p, "rows": [PaRow(**r) for r in p["rows"]]})
-                                   for p in data["perf_analyzer"]]
         values["paired_latency"] = [PairedLatency(**row) for row in data.get("paired_latency", [])]
         values["hold"] = [HoldCheck(**row) for row in data.get("hold", [])]
         memory = data.get("memory")

@@ -1,16 +1,13 @@
 """Smoke tests of the serving benchmarks (``python -m bench``) at tiny durations.
 
-No wall-clock thresholds: they check that every part runs, that the report has its structure, that the
-ratios and targets are computed from measured numbers, and that perf_analyzer either measured or the
-report says why not (never a made-up figure).
+No wall-clock thresholds: they check that every part runs, that the report has its structure and that the
+ratios and targets are computed from measured numbers.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import math
-import struct
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import pytest
 
 import facecore.pipeline as pipeline_module
 from bench import __main__ as bench_main
-from bench import ceiling, naive, perf_analyzer, plain, report, report_text
+from bench import ceiling, naive, plain, report, report_text
 from bench.core.inputs import served_models
 from bench.core.load import LoadRow
 from bench.core.triton import statistics_delta
@@ -36,7 +33,7 @@ def test_the_recorded_report_is_rendered_from_its_results() -> None:
     `python -m bench.report --rerender docs/benchmarks`."""
     folder = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
     results = report.Results.from_json(json.loads((folder / "results.json").read_text()))
-    assert results.ceiling and results.stack and results.memory and results.perf_analyzer
+    assert results.ceiling and results.stack and results.memory
     written = {name: file for name, file in report.PLOTS.items() if (folder / file).exists()}
     recorded = report.section((folder / "README.md").read_text()).strip()
     assert report.document(results, written) == recorded
@@ -103,7 +100,7 @@ def test_memory_flatness_and_quick_plan() -> None:
     assert quick.naive_variants == ("served", "served-onnxruntime", "plain") and quick.naive_threads == (1,)
     full = bench_main.plan(bench_main.arguments().parse_args([]))
     assert full.seconds == 10 and full.memory_minutes == 10 and full.gallery_args == ("--quick",)
-    assert full.ceiling.layouts == ((1, 1), (1, 2), (2, 1)) and full.pa.concurrency == (1, 2, 4, 8)
+    assert full.ceiling.layouts == ((1, 1), (1, 2), (2, 1))
 
 
 def test_the_plain_embedder_is_the_served_network(tmp_path: Path, photos: dict[str, Path],
@@ -146,11 +143,8 @@ def _other_detector(tmp_path: Path) -> Path:
 def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path], cpu_repository: Path,
                                           exported_precisions: dict[str, str]) -> None:
     """served (OpenVINO at the served precisions), served-onnxruntime and plain (ONNX Runtime, the float
-    detector) find the same faces and make the same decisions. Their embeddings are not equal: reduced JPEG
-    decode and the fixed 640x640 input move the landmarks of t1.jpg's small faces by a pixel or so (cosine
-    0.9675 at worst, against 0.74-0.77 between two photos of Obama and <= 0.38 between different people), so
-    no cosine constant is asserted; what must hold is that every face is still closest to itself and that
-    every same/different decision across the photos is unchanged (as in tests/test_work_reduction.py)."""
+    detector) each run what they say and find the same faces (that their decisions agree is
+    tests/test_work_reduction.py's)."""
     models = served_models(cpu_repository)
     data = {name: photos[name].read_bytes() for name in ("obama.jpg", "obama2.jpg", "t1.jpg")}
     plain_models = plain.prepare(models, data, tmp_path / "sface.prelu.onnx").models
@@ -167,13 +161,8 @@ def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path
         assert not health["plain"]["dynamic_input"] and health["plain"]["embedder_prelu_nodes"] > 0
         assert health["plain"]["detector_input_layout"] == "nchw_float"
         assert health["plain"]["detector_runtime"] == "onnxruntime:f32"
-        agreements = naive.agreement(servers, data, models.settings.embedder.match_threshold)
-        assert [a.variant for a in agreements] == ["served", "served-onnxruntime"]
-        for item in agreements:
-            assert item.faces == {"obama.jpg": (1, 1), "obama2.jpg": (1, 1), "t1.jpg": (6, 6)}, item
-            assert item.same_faces and item.lowest_iou >= 0.8, item.describe()
-            assert item.pairs == 28 and item.same_decisions == 28 and item.matches == 1, item.describe()
-            assert item.decisions_agree
+        for server in servers:
+            assert [len(naive.embed(server, name, image)) for name, image in data.items()] == [1, 1, 6]
         row = naive.measure_once(servers[-1], "obama.jpg", data["obama.jpg"], 1, 0.3)
         assert row.target == "naive plain /embed, 1 intra-op thread" and row.requests > 0 and row.errors == 0
     # the app refuses a plain variant whose embedder has no PReLU left, or that runs the uint8 detector
@@ -192,7 +181,7 @@ def test_the_1_6x_target_uses_the_plain_baseline(plain_throughput: float, status
                              naive=[_row(naive.target_name(1, naive.SERVED), 50.0)],
                              naive_plain=[_row(naive.target_name(1, naive.PLAIN), plain_throughput)],
                              stack=[_row("REST identify", 60.0), _row("gRPC face_pipeline", 65.0)],
-                             plain_check="checked", naive_agreement="obama.jpg: 1 face(s) served, 1 plain")
+                             plain_check="checked")
     found = {t.name: t for t in report.targets(results)}
     overhead = found[f"REST identify throughput at concurrency 8 >= 0.9x {report.BASELINE_SERVED} "
                      "(obama.jpg)"]
@@ -213,69 +202,7 @@ def test_the_1_6x_target_uses_the_plain_baseline(plain_throughput: float, status
         assert values[name] == pytest.approx(value), name
     document = report.document(results, {})
     assert "### The naive baselines" in document and "checked" in document
-    assert "the same decisions: obama.jpg: 1 face(s) served, 1 plain" in document
     assert "naive plain /embed, 1 intra-op thread" in document.split("### Naive baselines", 1)[1]
-
-
-def test_perf_analyzer_is_fetched_by_pin_and_gets_real_jpeg_data(tmp_path: Path,
-                                                                  photos: dict[str, Path]) -> None:
-    binary = perf_analyzer.install()
-    assert binary.exists() and binary.stat().st_mode & 0o111
-    assert (binary.parent.parent / "lib" / "libb64.so.0d").exists()
-    jpeg = photos["obama.jpg"].read_bytes()
-    written = perf_analyzer.write_input_data(tmp_path / "input.json", [jpeg])
-    (entry,) = json.loads(written.read_text())["data"]
-    assert entry["IMAGE"]["shape"] == [1]
-    raw = base64.b64decode(entry["IMAGE"]["content"]["b64"])
-    assert struct.unpack("<I", raw[:4])[0] == len(jpeg) and raw[4:] == jpeg  # Triton's BYTES serialization
-    try:
-        assert "2.51" in perf_analyzer.version(binary)
-    except perf_analyzer.PerfAnalyzerUnavailable as exc:  # the report must then say why; checked below
-        pytest.skip(f"perf_analyzer cannot run here: {exc}")
-
-
-def test_a_perf_analyzer_that_cannot_run_is_reported_with_its_error(tmp_path: Path) -> None:
-    input_file = perf_analyzer.write_input_data(tmp_path / "input.json", [b"\xff\xd8not really"])
-    result = perf_analyzer.run(tmp_path / "missing" / "perf_analyzer", "127.0.0.1:1", "obama.jpg",
-                               input_file, perf_analyzer.PaOptions(concurrency=(1,)), tmp_path)
-    assert result.rows == [] and result.error
-    text = perf_analyzer.table([result])
-    assert "did not complete" in text and "produced no measurement" in text
-    results = report.Results("python -m bench", "today", "test machine", {}, perf_analyzer=[result])
-    document = report.document(results, {})
-    assert "perf_analyzer did not complete" in document and result.error.split(":")[0] in document
-
-
-CSV_HEADER = ",".join(["Concurrency", "Inferences/Second", "Client Send", "Network+Server Send/Recv",
-                       "Server Queue", "Server Compute Input", "Server Compute Infer",
-                       "Server Compute Output", "Client Recv", "p50 latency", "p90 latency", "p95 latency",
-                       "p99 latency"])
-#: Stands in for perf_analyzer: unstable at the strict threshold, a CSV (its last argument) when relaxed.
-FAKE_PERF_ANALYZER = f"""#!/bin/sh
-case "$*" in *--version*) echo "Perf Analyzer Version 2.51.0 (fake)"; exit 0;; esac
-for last; do :; done
-case "$*" in *"-percentage 30 "*) echo "Failed to obtain stable measurement"; exit 2;; esac
-cat > "$last" <<CSV
-{CSV_HEADER}
-4,12.5,35,4954,47515,105,382711,1301,4,424599,618032,636431,758232
-CSV
-"""
-
-
-def test_an_unstable_perf_analyzer_measurement_is_repeated_and_marked(tmp_path: Path) -> None:
-    binary = tmp_path / "bin" / "perf_analyzer"
-    binary.parent.mkdir()
-    binary.write_text(FAKE_PERF_ANALYZER)
-    binary.chmod(0o755)
-    input_file = perf_analyzer.write_input_data(tmp_path / "input.json", [b"jpeg"])
-    result = perf_analyzer.run(binary, "127.0.0.1:1", "obama.jpg", input_file,
-                               perf_analyzer.PaOptions(concurrency=(4,)), tmp_path)
-    assert result.error is None and result.version.startswith("Perf Analyzer Version 2.51.0")
-    (row,) = result.rows
-    assert (row.concurrency, row.throughput, row.stable) == (4, 12.5, False)
-    assert row.p50_ms == pytest.approx(424.599) and row.server_queue_ms == pytest.approx(47.515)
-    assert row.server_compute_ms == pytest.approx(0.105 + 382.711 + 1.301)
-    assert "stable: no" in perf_analyzer.table([result])
 
 
 @pytest.mark.triton
@@ -284,7 +211,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     out = tmp_path / "benchmarks"
     argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8", "16",
             "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1", "--no-fixed",
-            "--pa-concurrency", "1", "--pa-measurement-ms", "500", "--enroll-images", "8",
+            "--enroll-images", "8",
             "--latency-rounds", "5",
             "--gallery-sizes", "1000", "--gallery-dims", "16", "--repository", str(cpu_repository),
             "--out", str(out)]
@@ -296,7 +223,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert "python -m bench --quick --seconds 1" in body and "Machine: " in body and "onnxruntime" in body
     for heading in ("### Targets", "### The naive baselines", "### Ratios", "### Ceiling",
                     "### Naive baselines", "### Our stack",
-                    "### Latency at concurrency 1, paired", "### perf_analyzer", "### Memory",
+                    "### Latency at concurrency 1, paired", "### Memory",
                     "### Gallery search scaling", "### Enrollment"):
         assert heading in body, heading
 
@@ -336,7 +263,6 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     assert {r["target"] for r in results["naive_onnxruntime"]} == {
         "naive served-onnxruntime /embed, 1 intra-op thread"}
     assert "PRelu nodes" in results["plain_check"]
-    assert "1 face(s) served, 1 plain" in results["naive_agreement"]
     variants = {(c["photo"], c["variant"]): c for c in results["ceiling"]}
     assert variants[("obama.jpg", "plain")]["input_size"] == [640, 640]  # measured even with --no-fixed
     assert variants[("obama.jpg", "plain")]["runtime"] == "onnxruntime f32"
@@ -371,13 +297,6 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
     memory = results["memory"]
     assert len(memory["times_s"]) >= 3 and set(memory["rss_mib"]) == {"gateway", "triton"}
     assert memory["shapes"] == len(VARIANT_SIZES) and memory["load"]["errors"] == 0
-
-    (pa,) = results["perf_analyzer"]
-    assert pa["rows"] or pa["error"]  # measured, or the reason it could not be
-    if pa["rows"]:
-        assert pa["rows"][0]["concurrency"] == 1 and pa["rows"][0]["throughput"] > 0
-    else:
-        assert "did not complete" in body
 
     try:
         import matplotlib  # noqa: F401

@@ -1,5 +1,5 @@
 """The serving report's issue-10 targets (``bench/report_targets.py``, ``bench/report_load_targets.py``),
-the naive variants' agreement (``bench/naive_agreement.py``) and the ceiling on both runtimes
+and the ceiling on both runtimes
 (``bench/ceiling.py``, against the real OpenVINO and ONNX Runtime)."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from bench import stack as stack_part
 from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.inputs import served_models
 from bench.core.load import LoadRow
-from bench.naive_agreement import compare, compare_all
 from bench.stack import HoldCheck, MemoryRun
 from export.defaults import SPECS
 from facecore.pipeline import PipelineSettings
@@ -106,28 +105,6 @@ def test_load_memory_and_gateway_targets() -> None:
     found = {t.name: t for t in report.targets(_results(stack=stack, memory=memory))}
     rss = found["Triton (server + Python-backend stubs) resident memory (PSS) <= 1.5 GiB at concurrency 16"]
     assert "(memory run, 0.5 min, the photo at 37 aspect ratios)" in rss.measured
-
-
-def _face(box: tuple[float, float, float, float], embedding: list[float]) -> dict[str, object]:
-    return {"box": list(box), "embedding": embedding}
-
-
-def test_agreement_counts_changed_decisions_and_swapped_faces() -> None:
-    a, b = (0, 0, 10, 10), (20, 0, 30, 10)
-    plain = {"x.jpg": [_face(a, [1.0, 0.0]), _face(b, [0.0, 1.0])], "y.jpg": [_face(a, [0.9, 0.1])]}
-    same = {"x.jpg": [_face(b, [0.05, 1.0]), _face(a, [1.0, 0.02])], "y.jpg": [_face(a, [0.92, 0.1])]}
-    (agreement,) = compare_all({"plain": plain, "served": same}, threshold=0.5)
-    assert agreement.decisions_agree and (agreement.pairs, agreement.matches) == (3, 1)
-    assert "3 of 3 face pairs alike (1 same-person)" in agreement.describe()
-    # a y.jpg face drifted below the threshold from x.jpg's first face: one decision changes
-    drifted = {**same, "y.jpg": [_face(a, [0.5, 0.9])]}
-    changed = compare("served", drifted, plain, threshold=0.5)
-    assert changed.same_faces and not changed.decisions_agree and changed.same_decisions == 2
-    # each box finds its face, but the embeddings are swapped: not the same faces
-    swapped = {**same, "x.jpg": [_face(a, [0.0, 1.0]), _face(b, [1.0, 0.0])]}
-    assert not compare("served", swapped, plain, threshold=0.5).same_faces
-    missing = compare("served", {**same, "y.jpg": []}, plain, threshold=0.5)
-    assert not missing.same_faces and missing.pairs == 0 and "not the same faces" in missing.describe()
 
 
 def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Path], cpu_repository: Path,
