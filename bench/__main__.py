@@ -48,8 +48,8 @@ from pathlib import Path
 
 from bench import ceiling, latency, naive, plain, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
-from bench.core.reporting import machine_description
-from bench.results import HIGH_CONCURRENCY, peak
+from bench.core.reporting import machine_description, read_section
+from bench.results import HIGH_CONCURRENCY, Results, peak
 from facecore.client import PipelineClient
 
 log = logging.getLogger("bench")
@@ -117,7 +117,7 @@ def plan(args: argparse.Namespace) -> Plan:
     )
 
 
-def run_part(results: report.Results, name: str, skip: frozenset[str], work: Callable[[], None]) -> None:
+def run_part(results: Results, name: str, skip: frozenset[str], work: Callable[[], None]) -> None:
     """Run one part, timing it; a failure is recorded for the report and the run goes on."""
     if name in skip:
         return
@@ -132,7 +132,7 @@ def run_part(results: report.Results, name: str, skip: frozenset[str], work: Cal
         results.seconds[name] = time.perf_counter() - began
 
 
-def _gallery(results: report.Results, out: Path, args: tuple[str, ...], folder: Path) -> None:
+def _gallery(results: Results, out: Path, args: tuple[str, ...], folder: Path) -> None:
     from bench import gallery
 
     data = folder / "gallery.json"
@@ -142,7 +142,7 @@ def _gallery(results: report.Results, out: Path, args: tuple[str, ...], folder: 
     results.gallery = f"Command: `python -m bench.gallery {' '.join(args)}`\n\n{gallery.result_table(rows)}"
 
 
-def _enroll(results: report.Results, out: Path, url: str, images: int, repeats: int, folder: Path) -> None:
+def _enroll(results: Results, out: Path, url: str, images: int, repeats: int, folder: Path) -> None:
     from bench import enroll
 
     data = folder / "enroll.json"
@@ -153,7 +153,7 @@ def _enroll(results: report.Results, out: Path, url: str, images: int, repeats: 
                       + enroll.table(json.loads(data.read_text())["rows"]))
 
 
-def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_servers: list[naive.NaiveServer],
+def _loads(results: Results, p: Plan, photos: dict[str, bytes], naive_servers: list[naive.NaiveServer],
            running: stack.Stack | None) -> None:
     """Naive, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers not under
     load sit idle (measured: ~1 % of a core for the gateway's change-log follower, ~0 for the others), and a
@@ -181,7 +181,7 @@ def _loads(results: report.Results, p: Plan, photos: dict[str, bytes], naive_ser
             client.close()
 
 
-def _hold(results: report.Results, p: Plan, running: stack.Stack, photos: dict[str, bytes]
+def _hold(results: Results, p: Plan, running: stack.Stack, photos: dict[str, bytes]
           ) -> list[stack.HoldCheck]:
     """Each photo's REST identify at its best concurrency of the sweep against the target's high one (16),
     alternating; none where that was the best, or it was not part of the sweep."""
@@ -196,7 +196,7 @@ def _hold(results: report.Results, p: Plan, running: stack.Stack, photos: dict[s
     return out
 
 
-def _plain(results: report.Results, p: Plan, models: ServedModels, photos: dict[str, bytes]
+def _plain(results: Results, p: Plan, models: ServedModels, photos: dict[str, bytes]
            ) -> ServedModels | None:
     """The plain variant's models (built or reused, checked against the served embedder) when the ceiling
     or the plain naive baseline needs them; None (and the error reported) when they cannot be had."""
@@ -213,10 +213,10 @@ def _plain(results: report.Results, p: Plan, models: ServedModels, photos: dict[
     return prepared.models
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> report.Results:
+def run(args: argparse.Namespace, argv: list[str]) -> Results:
     p = plan(args)
     command = " ".join(["python -m bench", *argv]).strip()
-    results = report.Results(command=command, date=time.strftime("%Y-%m-%d %H:%M %Z"), machine="", settings={
+    results = Results(command=command, date=time.strftime("%Y-%m-%d %H:%M %Z"), machine="", settings={
         "seconds per point": p.seconds, "concurrency": list(p.concurrency), "photos": list(p.photos),
         "memory minutes": p.memory_minutes, "naive variants": list(p.naive_variants),
         "naive intra-op threads": list(p.naive_threads),
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args, raw)
     results.seconds["total"] = time.perf_counter() - began
     readme = report.write(results, args.out)
-    print(report.section(readme.read_text()))
+    print(read_section(readme.read_text(), report.SECTION))
     log.info("wrote %s in %.1f min", readme, results.seconds["total"] / 60)
     return 1 if results.errors else 0
 

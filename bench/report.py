@@ -1,10 +1,11 @@
-"""The serving report: the Markdown section of ``<out>/README.md``, the plots and ``results.json``.
-
-Every comparison is a ratio of two numbers measured in the same ``python -m bench`` run on the same
-machine (``bench/report_targets.py``); targets are reported (measured value, pass / falls short, and
-why), never asserted. The wording is in ``bench/report_text.py``; this module fills it from the results.
+"""The serving report of ``python -m bench``: the targets and ratios, evaluated from the run's ``Results``
+(``bench/results.py``), and every part's figures, as Markdown tables between the markers of
+``<out>/README.md``; the plots and ``results.json`` (the raw numbers) beside it.
 
     python -m bench.report --rerender docs/benchmarks   # the section again from its results.json
+
+Every comparison is a ratio of two numbers measured in the same run; targets are reported, never
+asserted. What the tables mean is written once, in docs/benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -12,204 +13,422 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench import ceiling as ceiling_part
-from bench import latency as latency_part
-from bench import naive as naive_part
-from bench import report_text as text
-from bench import stack as stack_part
-from bench.ceiling import PhotoCeiling
-from bench.core.reporting import read_section, write_section
-from bench.report_plots import PLOTS, plots
-from bench.report_targets import Ratio, Target, ratio_table, ratios, target_table, targets
-from bench.report_text import say
+from bench.ceiling import STAGES, PhotoCeiling, best
+from bench.core.reporting import fmt, markdown_table, table, write_section
+from bench.latency import PairedLatency
 from bench.results import (
-    NAIVE_PLAIN,
-    NAIVE_SERVED,
-    NAIVE_SERVED_ORT,
+    HIGH_CONCURRENCY,
+    NAIVE,
     ONE_FACE,
+    PHOTOS,
     SIX_FACES,
-    TARGET_CONCURRENCY,
+    C,
     Results,
-    best_naive,
     ceiling_of,
-    ort_ceiling,
+    find,
+    load_row,
+    peak,
 )
-
-__all__ = ["Ratio", "Results", "Target", "document", "ratios", "section", "targets", "write"]
+from bench.stack import GRPC, REST, MemoryRun
 
 SECTION = "bench"
-#: The two targets' names for the naive baselines (tests and tools look them up).
-BASELINE_SERVED, BASELINE_PLAIN = text.BASELINE_SERVED, text.BASELINE_PLAIN
+PLOTS = {"throughput": "throughput.png", "latency": "latency.png", "memory": "memory.png"}
 
 
-# --- the naive baselines ------------------------------------------------------------------------------
+# --- targets and ratios: records, evaluated by one function -----------------------------------------------
+
+#: A figure read from the results (None: not measured in this run).
+Quantity = Callable[[Results], float | None]
+#: The value a target holds to its bound and how it was made ("114.7 / 142.0 images/s = 0.81"), or None.
+Measure = Callable[[Results], tuple[float, str] | None]
 
 
-def _at_one_thread(sweep: dict[int, dict[int, float]]) -> tuple[int, float] | None:
-    """(threads, ms per item at batch 1) with the fewest threads measured: what the naive app pays."""
-    if not sweep:
-        return None
-    threads = min(sweep)
-    return (threads, sweep[threads][1]) if 1 in sweep[threads] else None
+def ratio(numerator: Quantity, denominator: Quantity, unit: str) -> Measure:
+    def measure(results: Results) -> tuple[float, str] | None:
+        a, b = numerator(results), denominator(results)
+        return None if a is None or not b else (a / b, f"{a:.1f} / {b:.1f} {unit} = {a / b:.2f}")
+    return measure
 
 
-def _detector_text(results: Results) -> str:
-    parts, threads = [], None
-    for photo in (ONE_FACE, SIX_FACES):
-        served, plain = _same_runtime_as_plain(results, photo), ceiling_of(results, photo, "plain")
-        if not (served and plain):
-            continue
-        (w, h), (pw, ph) = served.input_size, plain.input_size
-        part = say(text.DETECTOR_PIXELS, label=served.label, w=w, h=h, pw=pw, ph=ph,
-                   fewer=1 - w * h / (pw * ph))
-        a, b = _at_one_thread(served.detector_ms), _at_one_thread(plain.detector_ms)
-        if a and b:
-            part += say(text.DETECTOR_MS, served=a[1], plain=b[1])
-            threads = a[0]
-        parts.append(part)
-    if not parts:
-        return ""
-    return "; ".join(parts) + (say(text.DETECTOR_THREADS, threads=threads) if threads else "")
+def amount(quantity: Quantity, unit: str) -> Measure:
+    def measure(results: Results) -> tuple[float, str] | None:
+        value = quantity(results)
+        return None if value is None else (value, f"{value:.1f} {unit}")
+    return measure
 
 
-def _same_runtime_as_plain(results: Results, photo: str) -> PhotoCeiling | None:
-    """The served files and settings on ONNX Runtime (plain's runtime), so the comparison with plain shows the
-    work reductions alone; the served row when no ONNX Runtime row was measured."""
-    return ort_ceiling(results, photo) or ceiling_of(results, photo, "served")
+def _field(row: object | None, name: str) -> float | None:
+    """``row.name``, or None when there is no row."""
+    return None if row is None else float(getattr(row, name))
 
 
-def _embedder_text(results: Results) -> str:
-    served = _same_runtime_as_plain(results, ONE_FACE)
-    plain = next((c for c in results.ceiling if c.variant == "plain"), None)
-    a = _at_one_thread(served.embedder_ms) if served else None
-    b = _at_one_thread(plain.embedder_ms) if plain else None
-    if not (a and b):
-        return ""
-    return say(text.EMBEDDER_MS, served=a[1], plain=b[1], less=1 - a[1] / b[1], threads=a[0])
+def throughput(name: str, photo: str) -> Quantity:
+    return lambda r: _field(load_row(r, name, photo), "throughput")
 
 
-def _detail(measured: str) -> str:
-    return say(text.MEASURED_DETAIL, text=measured) if measured else ""
+def ceiling_rate(photo: str, variant: str = "served") -> Quantity:
+    return lambda r: c.images_per_s if (c := ceiling_of(r, photo, variant)) and c.layouts else None
 
 
-def baselines_text(results: Results) -> str:
-    """What each naive baseline runs, which target uses which, and where the work reduction comes from
-    (with this run's numbers where they were measured)."""
-    c = TARGET_CONCURRENCY
-    lines = [say(text.BASELINES, served=NAIVE_SERVED, served_ort=NAIVE_SERVED_ORT, plain=NAIVE_PLAIN,
-                 check=say(text.PLAIN_CHECK, check=results.plain_check) if results.plain_check else "",
-                 detector=_detail(_detector_text(results)), embedder=_detail(_embedder_text(results)))]
-    served, plain = best_naive(results.naive, ONE_FACE, c), best_naive(results.naive_plain, ONE_FACE, c)
-    ort = best_naive(results.naive_onnxruntime, ONE_FACE, c)
-    if ort and plain:
-        lines.append(say(text.REDUCTIONS_ALONE, speedup=ort.throughput / plain.throughput, c=c,
-                         served=ort.throughput, plain=plain.throughput, photo=ONE_FACE))
-    if served and ort:
-        lines.append(say(text.RUNTIME_ALONE, speedup=served.throughput / ort.throughput, c=c,
-                         served=served.throughput, ort=ort.throughput, photo=ONE_FACE))
-    if served and plain:
-        lines.append(say(text.TOGETHER, speedup=served.throughput / plain.throughput, c=c,
-                         served=served.throughput, plain=plain.throughput, photo=ONE_FACE))
-    return "\n".join(lines)
+def outside_networks(concurrency: int) -> Quantity:
+    """face_pipeline's time outside the two networks per image, from Triton's statistics (gRPC, 1 face);
+    None in the in_process layout: the networks run inside face_pipeline, Triton cannot tell them apart."""
+    def get(results: Results) -> float | None:
+        row = find(results.stack, GRPC, ONE_FACE, concurrency)
+        return ((row.triton or {}) if row else {}).get("face_pipeline", {}).get("outside_models_ms_per_image")
+    return get
 
 
-# --- the document -------------------------------------------------------------------------------------
+def split_outside(results: Results) -> float | None:
+    return c.best_split.outside_models_ms if (c := ceiling_of(results, ONE_FACE)) and c.splits else None
 
 
-def _header(results: Results) -> str:
-    return say(text.HEADER, command=results.command, date=results.date, machine=results.machine,
-               settings=", ".join(say(text.SETTING, name=k, value=v) for k, v in results.settings.items()),
-               served=results.served or "unknown",
-               seconds=", ".join(say(text.PART_MINUTES, name=k, minutes=v / 60)
-                                 for k, v in results.seconds.items()))
+def p50_at_1(target: str, paired: bool) -> tuple[Quantity, Quantity]:
+    """p50 at concurrency 1 and the ceiling's single image: from the paired rounds (``bench/latency.py``,
+    both timed in turn) or from the closed loop and the ceiling part, minutes apart."""
+    if paired:
+        def rounds(r: Results) -> PairedLatency | None:
+            return next((x for x in r.paired_latency if x.photo == ONE_FACE), None)
+        return ((lambda r: x.p50_ms(target) if (x := rounds(r)) else None),
+                lambda r: _field(rounds(r), "ceiling_ms"))
+    return (lambda r: _field(find(r.stack, target, ONE_FACE, 1), "p50_ms"),
+            lambda r: c.single_image_ms if (c := ceiling_of(r, ONE_FACE)) and c.splits else None)
 
 
-def _load_sections(results: Results) -> list[str]:
-    parts = []
-    naive_rows = [*results.naive, *results.naive_onnxruntime, *results.naive_plain]
-    if naive_rows:
-        parts += [text.NAIVE_HEADING, naive_part.load_table(naive_rows)]
-    if results.stack:
-        parts += [text.STACK_HEADING, stack_part.load_table(results.stack),
-                  text.STACK_CPU, stack_part.cpu_table(results.stack),
-                  text.STACK_STATS, stack_part.stats_table(results.stack)]
-    if results.hold:
-        parts += [text.HOLD, stack_part.hold_table(results.hold)]
-    if results.paired_latency:
-        parts += [text.LATENCY_HEADING,
-                  say(text.LATENCY, pause=results.paired_latency[0].pause_ms, warmup=latency_part.WARMUP),
-                  latency_part.table(results.paired_latency)]
-    return parts
+def latency(target: str) -> Measure:
+    """The paired rounds' ratio when the run has them, else the closed loop's."""
+    paired = ratio(*p50_at_1(target, True), "ms (paired rounds)")
+    closed = ratio(*p50_at_1(target, False), "ms")
+    return lambda r: paired(r) or closed(r)
 
 
-def _memory_section(results: Results) -> list[str]:
-    memory = results.memory
-    if not memory:
-        return []
-    biggest = sorted(memory.breakdown_mib.items(), key=lambda kv: -kv[1])
-    parts = [say(text.MEMORY_HEADING, c=memory.concurrency, minutes=memory.minutes),
-             say(text.MEMORY, interval=memory.interval_s, warmup=memory.warmup_s, samples=len(memory.times_s),
-                 requests=memory.load.requests, throughput=memory.load.throughput, errors=memory.load.errors),
-             *([say(text.MEMORY_SHAPES, shapes=memory.shapes)] if memory.shapes > 1 else []),
-             stack_part.memory_table(memory),
-             say(text.MEMORY_BREAKDOWN, processes=", ".join(say(text.PROCESS_MIB, name=k, mib=v)
-                                                           for k, v in biggest))]
-    if memory.summed_rss_mib:
-        parts.append(say(text.MEMORY_SUMMED_RSS, figures=", ".join(
-            say(text.PROCESS_MIB, name=k, mib=v) for k, v in memory.summed_rss_mib.items())))
-    return parts
+def holds(photo: str) -> Measure:
+    """REST identify at the high concurrency over its best: the median of the alternating rounds
+    (``stack.hold_check``) when the run has them, else the sweep's two windows."""
+    sweep = ratio(lambda r: _field(find(r.stack, REST, photo, HIGH_CONCURRENCY), "throughput"),
+                  lambda r: _field(peak(r.stack, REST, photo), "throughput"), "images/s")
+
+    def measure(results: Results) -> tuple[float, str] | None:
+        check = next((h for h in results.hold if (h.photo, h.high_concurrency) == (photo, HIGH_CONCURRENCY)),
+                     None)
+        if check is None:
+            return sweep(results)
+        return check.share, f"{check.share:.2f}, the median of {_joined(check.shares, '.2f')}"
+    return measure
 
 
-def document(results: Results, written: dict[str, str]) -> str:
-    parts = [text.TITLE, _header(results)]
+def tail(photo: str) -> Measure:
+    return ratio(lambda r: _field(find(r.stack, REST, photo, C), "p99_ms"),
+                 lambda r: _field(find(r.stack, REST, photo, C), "p50_ms"), "ms")
+
+
+def memory_drift(process: str) -> Quantity:
+    """The largest deviation of a process's PSS from its start over the memory run, in percent."""
+    return lambda r: m.flatness(process)["max_deviation_pct"] if (m := r.memory) and m.rss_mib.get(process) \
+        else None
+
+
+def triton_pss(results: Results) -> float | None:
+    """The largest Triton tree PSS at the high concurrency: the memory run's samples, the ends of the
+    load runs."""
+    seen = [r.rss_mib["triton"] for r in results.stack
+            if r.concurrency == HIGH_CONCURRENCY and "triton" in r.rss_mib]
+    if (memory := results.memory) and memory.concurrency == HIGH_CONCURRENCY:
+        seen += memory.rss_mib.get("triton", [])
+    return max(seen, default=None)
+
+
+def gateway_cpu(photo: str) -> Quantity:
+    return lambda r: row.cpu_ms.get("gateway") if (row := find(r.stack, REST, photo, C)) else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure of the run with the bound it is held to (None: a ratio reported without one)."""
+
+    name: str
+    measure: Measure
+    bound: float | None = None
+    at_most: bool = False  # the value must stay <= bound (else >= bound)
+
+
+RUNTIME_FACTORS = {ONE_FACE: 1.3, SIX_FACES: 1.7}  # the served runtime's ceiling over ONNX Runtime's
+PLAIN_FACTORS = {ONE_FACE: 1.6, SIX_FACES: 2.0}  # REST identify over the plain naive baseline
+#: The targets of issue 10, in the order the report lists them.
+TARGETS: tuple[Target, ...] = (
+    *(Target(f"in-process ceiling, served runtime / ONNX Runtime on the same files, {p}",
+             ratio(ceiling_rate(p), ceiling_rate(p, "onnxruntime"), "images/s"), RUNTIME_FACTORS[p])
+      for p in PHOTOS),
+    *(Target(f"REST identify at concurrency {C} / in-process ceiling of the same runtime, {p}",
+             ratio(throughput(REST, p), ceiling_rate(p), "images/s"), 0.8) for p in PHOTOS),
+    *(Target(f"REST identify / naive plain, concurrency {C}, {p}",
+             ratio(throughput(REST, p), throughput("naive plain", p), "images/s"), PLAIN_FACTORS[p])
+      for p in PHOTOS),
+    *(Target(f"REST identify / naive served, concurrency {C}, {p}",
+             ratio(throughput(REST, p), throughput("naive served", p), "images/s"), 0.9) for p in PHOTOS),
+    *(Target(f"face_pipeline ms outside the two networks per 1-face image, Triton statistics, gRPC at "
+             f"concurrency {c}", amount(outside_networks(c), "ms"), 3.0, at_most=True) for c in (1, C)),
+    Target("face_pipeline ms outside the two networks per 1-face image, in-process timer split",
+           amount(split_outside, "ms"), 3.0, at_most=True),
+    *(Target(f"{t} p50 at concurrency 1 / the ceiling's single image, {ONE_FACE}", latency(t), 1.3,
+             at_most=True) for t in (REST, GRPC)),
+    *(target for p in PHOTOS for target in (
+        Target(f"REST identify throughput at concurrency {HIGH_CONCURRENCY} / at its best concurrency, {p}",
+               holds(p), 0.95),
+        Target(f"REST identify p99 / p50 at concurrency {C}, {p}", tail(p), 3.0, at_most=True))),
+    *(Target(f"{name} PSS over the memory run: largest deviation from its start",
+             amount(memory_drift(process), "%"), 10.0, at_most=True)
+      for process, name in (("gateway", "gateway"), ("triton", "Triton tree"))),
+    Target(f"Triton tree PSS (server + Python-backend stubs) at concurrency {HIGH_CONCURRENCY}",
+           amount(triton_pss, "MiB"), 1536.0, at_most=True),
+    *(Target(f"gateway CPU per identify at concurrency {C}, {p}", amount(gateway_cpu(p), "ms"), 3.0,
+             at_most=True) for p in PHOTOS),
+)
+#: Ratios of two figures of the run, reported without a bound.
+RATIOS: tuple[Target, ...] = tuple(target for p in PHOTOS for target in (
+    Target(f"ceiling, served runtime / ONNX Runtime, {p}",
+           ratio(ceiling_rate(p), ceiling_rate(p, "onnxruntime"), "images/s")),
+    *(Target(f"{name} / ceiling, concurrency {C}, {p}",
+             ratio(throughput(name, p), ceiling_rate(p), "images/s"))
+      for name in (REST, GRPC, *NAIVE)),
+    *(Target(f"{name} / {naive}, concurrency {C}, {p}",
+             ratio(throughput(name, p), throughput(naive, p), "images/s"))
+      for name in (REST, GRPC, "naive served", "naive served on ONNX Runtime") for naive in NAIVE
+      if naive != name and not (name in NAIVE and naive == "naive served")),
+    Target(f"REST identify / gRPC face_pipeline, concurrency {C}, {p} (the gateway's cost)",
+           ratio(throughput(REST, p), throughput(GRPC, p), "images/s")),
+)) + tuple(Target(f"{t} p50 at concurrency 1 / the ceiling's single image, {ONE_FACE}, {how}",
+                  ratio(*p50_at_1(t, paired), "ms")) for t in (REST, GRPC)
+           for how, paired in (("closed loop", False), ("paired rounds", True)))
+
+
+def judge(target: Target, results: Results) -> list[str]:
+    """The target's row: its name, the value as measured, its bound and whether it holds."""
+    measured = target.measure(results)
+    bound = "—" if target.bound is None else f"{'<=' if target.at_most else '>='} {target.bound:g}"
+    if measured is None:
+        return [target.name, "—", bound, "not measured"]
+    value, shown = measured
+    if target.bound is None:
+        return [target.name, shown, bound, "—"]
+    held = value <= target.bound if target.at_most else value >= target.bound
+    return [target.name, shown, bound, "**pass**" if held else "**falls short**"]
+
+
+def evaluate(targets: Sequence[Target], results: Results) -> str:
+    """One table of ``targets`` (ratios without a bound: only their names and values)."""
+    rows = [judge(target, results) for target in targets]
+    if all(target.bound is None for target in targets):
+        return markdown_table(["figure", "measured"], [row[:2] for row in rows])
+    return markdown_table(["figure", "measured", "bound", "result"], rows)
+
+
+# --- the parts' tables --------------------------------------------------------------------------------
+
+
+def _by_thread(sweep: dict[int, dict[int, float]]) -> str:
+    """The best batch size and its ms per item, for each thread count."""
+    return " / ".join(f"{t} thr: {best(v)}: {v[best(v)]:.1f}" for t, v in sweep.items()) or "—"
+
+
+def _by_process(values: Mapping[str, float], digits: int) -> str:
+    return ", ".join(f"{name} {value:.{digits}f}" for name, value in values.items())
+
+
+CEILING = (("photo", "{0.label}"), ("variant", "{0.variant}"), ("runtime", "{0.runtime}"),
+           ("detector input", "{0.input_size[0]}x{0.input_size[1]} ({0.sizing})"), ("faces", "{0.faces}"),
+           ("single image ms, by threads",
+            lambda r: " / ".join(f"{s.threads}: {s.total_ms:.1f}" for s in r.splits)),
+           ("best detector batch: ms per image", lambda r: _by_thread(r.detector_ms)),
+           ("best embedder batch: ms per face", lambda r: _by_thread(r.embedder_ms)),
+           ("images/s, processes x threads", lambda r: ", ".join(
+               f"{lay.processes}x{lay.threads}: {lay.images_per_s:.1f}" for lay in r.layouts) or "—"),
+           ("ceiling images/s", lambda r: f"**{r.images_per_s:.1f}**" if r.layouts else "—"))
+SPLIT = (("photo", "{0.label}"), ("variant", "{0.variant}"), ("input", "{0.input_size[0]}x{0.input_size[1]}"),
+         ("threads", "{1.threads}"), *((stage, f"{{1.stages_ms[{stage}]:.2f}}") for stage in STAGES),
+         ("total ms", "{1.total_ms:.1f}"), ("outside the two networks ms", "{1.outside_models_ms:.2f}"))
+SWEEP = (("photo", "{0}"), ("variant", "{1}"), ("input", "{2}"), ("network", "{3}"), ("threads", "{4}"),
+         ("batch: ms", lambda x: ", ".join(f"{b}: {v:.1f}" for b, v in x[5].items())))
+LOAD = (("target", "{0.target}"), ("photo", "{0.photo}"), ("concurrency", "{0.concurrency}"),
+        ("images/s", "{0.throughput:.1f}"), ("p50 ms", "{0.p50_ms:.0f}"), ("p90 ms", "{0.p90_ms:.0f}"),
+        ("p99 ms", "{0.p99_ms:.0f}"), ("errors", "{0.errors}"),
+        ("CPU ms per request", lambda r: _by_process({"client": r.client_cpu_ms, **r.cpu_ms,
+                                                      "total": r.cpu_ms_total}, 1)),
+        ("the Triton tree's CPU ms per request", lambda r: _by_process(
+            {k.split(": ", 1)[-1]: v for k, v in r.cpu_detail_ms.items()}, 1) or "—"),
+        ("PSS MiB at the end", lambda r: _by_process(r.rss_mib, 0)))
+STATS = (("target", "{0.target}"), ("photo", "{0.photo}"), ("concurrency", "{0.concurrency}"),
+         ("model", "{1}"),
+         ("avg batch (items per execution)", "{2[avg_batch]:.2f}"), ("queue ms per request",
+          "{2[queue_ms_per_request]:.1f}"), ("request ms", "{2[request_ms]:.1f}"),
+         ("compute ms per execution", "{2[compute_ms_per_exec]:.1f}"), ("compute ms per item",
+          "{2[compute_ms_per_item]:.1f}"),
+         ("outside the networks ms per image", lambda x: fmt(x[2].get("outside_models_ms_per_image"), 1)))
+HOLD = (("photo", "{0.photo}"), ("concurrency: best / high", "{0.best_concurrency} / {0.high_concurrency}"),
+        ("window s", "{0.seconds:g}"), ("images/s at the best, per round", lambda c: _joined(c.best, ".1f")),
+        ("images/s at the high, per round", lambda c: _joined(c.high, ".1f")),
+        ("high / best, per round", lambda c: _joined(c.shares, ".2f")), ("median", "{0.share:.2f}"),
+        ("errors", "{0.errors}"))
+LATENCY = (("photo", "{0.photo}"), ("rounds", "{0.rounds}"), ("ceiling threads", "{0.threads}"),
+           ("pause ms", "{0.pause_ms:.0f}"), ("ceiling single image p50 ms", "{0.ceiling_ms:.1f}"),
+           ("gRPC face_pipeline p50 ms", "{0.grpc_ms:.1f}"), ("REST identify p50 ms", "{0.rest_ms:.1f}"),
+           ("gRPC / ceiling, per round (median)", "{0.grpc_paired:.2f}"),
+           ("REST / ceiling, per round (median)", "{0.rest_paired:.2f}"))
+RUN = (("minutes", "{0.minutes:g}"), ("concurrency", "{0.concurrency}"), ("photo sizes", "{0.shapes}"),
+       ("warm-up s", "{0.warmup_s:.0f}"), ("sampled every s", "{0.interval_s:.1f}"),
+       ("samples", lambda m: len(m.times_s)), ("requests", "{0.load.requests}"),
+       ("images/s", "{0.load.throughput:.1f}"), ("errors", "{0.load.errors}"))
+FLAT = (("process", "{0}"), ("start MiB", "{1[start]:.0f}"), ("end MiB", "{1[end]:.0f}"),
+        ("min MiB", "{1[min]:.0f}"), ("max MiB", "{1[max]:.0f}"),
+        ("largest deviation %", "{1[max_deviation_pct]:.1f}"),
+        ("end vs start %", "{1[end_change_pct]:+.1f}"), ("trend MiB/min", "{1[slope_mib_per_min]:+.2f}"))
+
+
+def _joined(values: Sequence[float], spec: str) -> str:
+    return " / ".join(format(v, spec) for v in values)
+
+
+def _sweeps(rows: Sequence[PhotoCeiling]) -> list[tuple[object, ...]]:
+    """The detector sweeps of each photo, variant and input size; the embedder's of each variant."""
+    out: list[tuple[object, ...]] = [
+        (r.label, r.variant, f"{r.input_size[0]}x{r.input_size[1]}", "detector, ms per image", t, v)
+        for r in rows for t, v in r.detector_ms.items()]
+    embedders: dict[str, dict[int, dict[int, float]]] = {}
+    for r in rows:  # the sweep of each embedder once (the fixed input's is the served one)
+        if r.embedder_ms not in embedders.values():
+            embedders[r.variant] = r.embedder_ms
+    return out + [("all faces of the photos", variant, "112x112", "embedder, ms per face", t, v)
+                  for variant, sweep in embedders.items() for t, v in sweep.items()]
+
+
+def _memory(memory: MemoryRun) -> list[str]:
+    flat = [(name, memory.flatness(name)) for name in memory.rss_mib if memory.flatness(name)]
+    ends = {"Triton's processes at the end (PSS MiB)": memory.breakdown_mib,
+            "summed RSS at the end (MiB)": memory.summed_rss_mib}
+    return [f"### Memory: REST identify at concurrency {memory.concurrency} for {memory.minutes:g} min",
+            table([memory], RUN), table(flat, FLAT),
+            markdown_table(["figure", "by process"], [[k, _by_process(v, 0)] for k, v in ends.items() if v])]
+
+
+def header(results: Results) -> str:
+    rows = {"command": f"`{results.command}`", "date": results.date, "machine": results.machine,
+            "settings": ", ".join(f"{k} {v}" for k, v in results.settings.items()),
+            "served (model repository)": results.served or "unknown",
+            "plain baseline's networks": results.plain_check or "—",
+            "wall time per part, min": ", ".join(f"{k} {v / 60:.1f}" for k, v in results.seconds.items())}
+    return markdown_table(["the run", ""], [[k, v] for k, v in rows.items()])
+
+
+def document(results: Results, written: Mapping[str, str]) -> str:
+    """The report section: the targets and ratios, then every part's tables."""
+    parts = ["## Serving: ceiling, naive baselines, our stack, memory (`python -m bench`)", header(results)]
     if results.errors:
-        parts.append(say(text.FAILED_PARTS, parts="\n".join(say(text.FAILED_PART, part=part, error=error)
-                                                            for part, error in results.errors.items())))
-    parts += [text.TARGETS, target_table(targets(results))]
-    if results.naive or results.naive_plain:
-        parts += [text.BASELINES_HEADING, baselines_text(results)]
-    parts += [text.RATIOS, ratio_table(ratios(results))]
+        parts += ["### Parts that failed", markdown_table(["part", "error"], [[k, f"`{v}`"] for k, v in
+                                                                             results.errors.items()])]
+    parts += ["### Targets (reported, not asserted)", evaluate(TARGETS, results),
+              "### Ratios (both sides measured in this run)", evaluate(RATIOS, results)]
     if "error" in written:
-        parts.append(say(text.PLOTS_ERROR, error=written["error"]))
-    pictures = [say(text.PICTURE, name=name, file=file) for name, file in written.items() if name in PLOTS]
-    if pictures:
-        parts.append("\n".join(pictures))
+        parts.append(f"*{written['error']}*")
+    parts += ["\n".join(f"![{name}]({file})" for name, file in written.items() if name in PLOTS)]
     if results.ceiling:
-        parts.append(ceiling_part.document(results.ceiling))
-    parts += _load_sections(results) + _memory_section(results)
+        splits = [(r, s) for r in results.ceiling for s in r.splits]
+        parts += ["### Ceiling: in-process (`bench/ceiling.py`)", table(results.ceiling, CEILING),
+                  "Stage split, one image at a time (ms, medians):", table(splits, SPLIT),
+                  "Batch sweeps (ms per item at batch size):", table(_sweeps(results.ceiling), SWEEP)]
+    load = [*results.naive, *results.naive_onnxruntime, *results.naive_plain, *results.stack]
+    if load:
+        parts += ["### Naive baselines and our stack under load (`bench/naive.py`, `bench/stack.py`)",
+                  table(load, LOAD)]
+    if results.stack:
+        stats = [(r, model, s) for r in results.stack for model, s in (r.triton or {}).items()]
+        parts += ["Triton statistics per model (deltas over each run):", table(stats, STATS)]
+    if results.hold:
+        parts += ["REST identify at the sweep's best concurrency and the high one, alternating "
+                  "(`stack.hold_check`):", table(results.hold, HOLD)]
+    if results.paired_latency:
+        parts += ["### Latency at concurrency 1, paired (`bench/latency.py`)",
+                  table(results.paired_latency, LATENCY)]
+    if results.memory:
+        parts += _memory(results.memory)
     if results.gallery:
-        parts += [text.GALLERY_HEADING, results.gallery]
+        parts += ["### Gallery search scaling (`bench/gallery.py`; more in [gallery.md](gallery.md))",
+                  results.gallery]
     if results.enroll:
-        parts += [text.ENROLL_HEADING, results.enroll]
-    parts.append(text.HOW_TO_READ)
-    return "\n\n".join(parts)
+        parts += ["### Enrollment throughput (`bench/enroll.py`; more in [gallery.md](gallery.md))",
+                  results.enroll]
+    return "\n\n".join(part for part in parts if part)
+
+
+# --- plots --------------------------------------------------------------------------------------------
+
+
+Panels = dict[str, dict[str, list[tuple[float, float]]]]  # panel title -> line label -> (x, y) points
+
+
+def plots(results: Results, out: Path) -> dict[str, str]:
+    """PNG plots into ``out``; returns {plot: file name}, or {"error": why} without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return {"error": f"plots skipped: {exc} (install the `bench` extra: matplotlib)"}
+    throughput: Panels = {}  # per photo, a line per target
+    latency: Panels = {}  # per target, p50 and p99 on the 1-face photo
+    for r in sorted([*results.stack, *results.naive, *results.naive_plain], key=lambda r: r.concurrency):
+        throughput.setdefault(r.photo, {}).setdefault(r.target, []).append((r.concurrency, r.throughput))
+        for key in ("p50_ms", "p99_ms") if r.photo == ONE_FACE else ():
+            latency.setdefault(r.target, {}).setdefault(key, []).append((r.concurrency, getattr(r, key)))
+    for photo, panel in throughput.items():
+        if rate := ceiling_rate(photo)(results):
+            panel["in-process ceiling"] = [(1, rate), (HIGH_CONCURRENCY, rate)]
+    memory = results.memory
+    pss: Panels = {name: {"PSS MiB": list(zip([t / 60 for t in memory.times_s], values, strict=True))}
+                   for name, values in memory.rss_mib.items()} if memory else {}
+    written = {}
+    for name, panels, x, y in (("throughput", throughput, "concurrency", "images/s"),
+                               ("latency", latency, "concurrency", "ms"), ("memory", pss, "minutes", "MiB")):
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.3), squeeze=False)
+        for ax, (title, panel) in zip(axes[0], panels.items(), strict=True):
+            for label, points in panel.items():
+                ax.plot(*zip(*points, strict=True), marker="o", label=label)
+            ax.set(xscale="log" if x == "concurrency" else "linear", xlabel=x, ylabel=y, title=title)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out / PLOTS[name], dpi=110)
+        plt.close(fig)
+        written[name] = PLOTS[name]
+    return written
+
+
+# --- files --------------------------------------------------------------------------------------------
 
 
 def write(results: Results, out: Path) -> Path:
     """Plots, ``results.json`` and this run's section of ``out/README.md``; returns the README path."""
     out.mkdir(parents=True, exist_ok=True)
-    written = plots(results, out)
-    readme = out / "README.md"
-    write_section(readme, SECTION, document(results, written))
     (out / "results.json").write_text(json.dumps(results.to_json(), indent=2, default=str))
-    return readme
+    return _section(out, document(results, plots(results, out)))
 
 
 def rerender(out: Path) -> Path:
-    """The section of ``out/README.md`` again from ``out/results.json`` and the plots already there (after a
-    change of wording: no benchmark runs)."""
+    """The section again from ``out/results.json`` and the plots already there (after a change to this
+    code: no benchmark runs)."""
     results = Results.from_json(json.loads((out / "results.json").read_text()))
-    written = {name: file for name, file in PLOTS.items() if (out / file).exists()}
-    readme = out / "README.md"
-    write_section(readme, SECTION, document(results, written))
+    return _section(out, document(results, {k: v for k, v in PLOTS.items() if (out / v).exists()}))
+
+
+def _section(out: Path, text: str) -> Path:
+    write_section(readme := out / "README.md", SECTION, text)
     return readme
-
-
-def section(text: str, name: str = SECTION) -> str:
-    """The text between this report's markers (for tests and tools)."""
-    return read_section(text, name)
 
 
 def main(argv: list[str] | None = None) -> int:

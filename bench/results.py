@@ -1,5 +1,5 @@
-"""What one ``python -m bench`` run measured (``Results``), to and from ``results.json``, and the lookups
-the report's ratios, targets and plots share."""
+"""What one ``python -m bench`` run measured (``Results``, to and from ``results.json``) and the lookups
+its report reads the figures with."""
 
 from __future__ import annotations
 
@@ -7,22 +7,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from bench import ceiling as ceiling_part
 from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.load import LoadRow
 from bench.latency import PairedLatency
 from bench.stack import HoldCheck, MemoryRun
 
 ONE_FACE, SIX_FACES = "obama.jpg", "t1.jpg"
-TARGET_CONCURRENCY = 8
-#: The concurrency the load targets look at beyond the target one, and the memory run's.
-HIGH_CONCURRENCY = 16
-#: The naive baselines (bench/plain.py): what face_pipeline serves (the same work as the stack, on the same
-#: runtime), the same on ONNX Runtime f32, and the plain deployment of the same networks (ONNX Runtime, the
-#: original float detector at fixed 640x640, SFace with PReLU).
-NAIVE_SERVED, NAIVE_SERVED_ORT, NAIVE_PLAIN = "naive served", "naive served on ONNX Runtime", "naive plain"
-#: Ceiling variants (bench/ceiling.py): the served runtime and ONNX Runtime f32 on the same files.
-CEILING_SERVED, CEILING_ORT = "served", "onnxruntime"
+PHOTOS = (ONE_FACE, SIX_FACES)
+#: The concurrency the throughput targets are read at, and the high one the load targets look at.
+TARGET_CONCURRENCY, HIGH_CONCURRENCY = 8, 16
+C = TARGET_CONCURRENCY
+#: The naive baselines (bench/naive.py) as the report names them -> their rows in ``Results``.
+NAIVE = {"naive served": "naive", "naive served on ONNX Runtime": "naive_onnxruntime",
+         "naive plain": "naive_plain"}
 
 
 @dataclass
@@ -35,31 +32,29 @@ class Results:
     settings: dict[str, Any]
     served: str = ""  # the model repository's configuration (instances, batching, threads)
     ceiling: list[PhotoCeiling] = field(default_factory=list)
-    naive: list[LoadRow] = field(default_factory=list)  # the naive baseline with the served settings
-    naive_plain: list[LoadRow] = field(default_factory=list)  # ... fixed 640x640, PReLU embedder
-    naive_onnxruntime: list[LoadRow] = field(default_factory=list)  # the served files on ONNX Runtime f32
-    plain_check: str = ""  # bench.plain: the plain embedder equals the served one (PlainModels.describe)
+    naive: list[LoadRow] = field(default_factory=list)  # the naive app serving what face_pipeline serves
+    naive_plain: list[LoadRow] = field(default_factory=list)  # ... the plain way (bench/plain.py)
+    naive_onnxruntime: list[LoadRow] = field(default_factory=list)  # ... the served files on ONNX Runtime
+    plain_check: str = ""  # bench.plain: the plain networks are the served ones (PlainModels.describe)
     stack: list[LoadRow] = field(default_factory=list)
-    #: the ceiling's single image, gRPC and REST at concurrency 1, in turn (bench/latency.py)
     paired_latency: list[PairedLatency] = field(default_factory=list)
-    #: REST identify at its best concurrency and at 16, alternating (bench/stack.py hold_check)
     hold: list[HoldCheck] = field(default_factory=list)
     memory: MemoryRun | None = None
-    gallery: str = ""  # the gallery benchmark's Markdown tables
+    gallery: str = ""  # the gallery benchmark's command and table
     enroll: str = ""
     errors: dict[str, str] = field(default_factory=dict)  # part -> why it failed
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per part
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["ceiling"] = ceiling_part.to_json(self.ceiling)
+        out["ceiling"] = [{**asdict(c), "single_image_ms": c.single_image_ms, "images_per_s": c.images_per_s,
+                           "outside_models_ms": c.best_split.outside_models_ms} for c in self.ceiling]
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Results:
-        """The inverse of ``to_json`` (``results.json`` back into a ``Results``: re-render a report)."""
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}  # parts since removed are left out
+        """The inverse of ``to_json``; fields of parts since removed are read past."""
+        values = {k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}
         values["ceiling"] = [_ceiling(c) for c in data["ceiling"]]
         for name in ("naive", "naive_plain", "naive_onnxruntime", "stack"):
             values[name] = [LoadRow(**row) for row in data.get(name, [])]
@@ -75,9 +70,8 @@ def _ceiling(data: Mapping[str, Any]) -> PhotoCeiling:
         return {int(t): {int(b): ms for b, ms in per.items()} for t, per in values.items()}
 
     derived = ("single_image_ms", "images_per_s", "outside_models_ms")
-    values = {k: v for k, v in data.items() if k not in derived}
-    return PhotoCeiling(**{**values, "input_size": tuple(data["input_size"]),
-                           "detector_ms": sweep(data["detector_ms"]),
+    return PhotoCeiling(**{**{k: v for k, v in data.items() if k not in derived},
+                           "input_size": tuple(data["input_size"]), "detector_ms": sweep(data["detector_ms"]),
                            "embedder_ms": sweep(data["embedder_ms"]),
                            "splits": [StageSplit(**s) for s in data["splits"]],
                            "layouts": [Layout(**lay) for lay in data["layouts"]]})
@@ -87,40 +81,22 @@ def _ceiling(data: Mapping[str, Any]) -> PhotoCeiling:
 
 
 def find(rows: Sequence[LoadRow], target: str, photo: str, concurrency: int) -> LoadRow | None:
-    return next((r for r in rows if r.target == target and r.photo == photo and r.concurrency == concurrency),
-                None)
-
-
-def best_naive(rows: Sequence[LoadRow], photo: str, concurrency: int | None) -> LoadRow | None:
-    """The naive run with the highest throughput (at ``concurrency``, or at any)."""
-    candidates = [r for r in rows
-                  if r.photo == photo and (concurrency is None or r.concurrency == concurrency)]
-    return max(candidates, key=lambda r: r.throughput, default=None)
+    return next((r for r in rows if (r.target, r.photo, r.concurrency) == (target, photo, concurrency)), None)
 
 
 def peak(rows: Sequence[LoadRow], target: str, photo: str) -> LoadRow | None:
-    return max((r for r in rows if r.target == target and r.photo == photo), key=lambda r: r.throughput,
+    """The row of ``target`` with the highest throughput on ``photo``, at any concurrency."""
+    return max((r for r in rows if (r.target, r.photo) == (target, photo)), key=lambda r: r.throughput,
                default=None)
 
 
-def served_ceiling(results: Results, photo: str) -> PhotoCeiling | None:
-    return ceiling_of(results, photo, "served")
+def ceiling_of(results: Results, photo: str, variant: str = "served") -> PhotoCeiling | None:
+    return next((c for c in results.ceiling if (c.photo, c.variant) == (photo, variant)), None)
 
 
-def ceiling_of(results: Results, photo: str, variant: str) -> PhotoCeiling | None:
-    return next((c for c in results.ceiling if c.photo == photo and c.variant == variant), None)
-
-
-def ort_ceiling(results: Results, photo: str) -> PhotoCeiling | None:
-    """The ceiling on ONNX Runtime f32 with the served files and settings (the served one when the
-    repository serves ONNX Runtime itself)."""
-    ort = ceiling_of(results, photo, CEILING_ORT)
-    served = served_ceiling(results, photo)
-    return ort or (served if served and served.runtime.startswith("onnxruntime") else None)
-
-
-def baselines(results: Results) -> tuple[tuple[str, list[LoadRow]], ...]:
-    out = [(NAIVE_SERVED, results.naive), (NAIVE_PLAIN, results.naive_plain)]
-    if results.naive_onnxruntime:
-        out.insert(1, (NAIVE_SERVED_ORT, results.naive_onnxruntime))
-    return tuple(out)
+def load_row(results: Results, name: str, photo: str, concurrency: int = C) -> LoadRow | None:
+    """REST identify's or gRPC face_pipeline's row, or a naive baseline's best at that concurrency."""
+    if name not in NAIVE:
+        return find(results.stack, name, photo, concurrency)
+    return max((r for r in getattr(results, NAIVE[name]) if (r.photo, r.concurrency) == (photo, concurrency)),
+               key=lambda r: r.throughput, default=None)

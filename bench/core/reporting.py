@@ -8,10 +8,12 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 MIB = 1 << 20
+Row = TypeVar("Row")
 #: The heading a new report file starts with, by file name (``docs/benchmarks/<name>``).
 TITLES = {"README.md": "# Benchmarks", "gallery.md": "# Gallery benchmarks"}
 
@@ -23,6 +25,18 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def table(rows: Iterable[Row], columns: Sequence[tuple[str, str | Callable[[Row], object]]]) -> str:
+    """A Markdown table, one line per row. Each column is its header and its cell: a ``str.format``
+    template given the row (a tuple row: its items), e.g. ``"{0.throughput:.1f}"``, or a function of it."""
+    def cell(how: str | Callable[[Row], object], row: Row) -> str:
+        if callable(how):
+            return str(how(row))
+        return how.format(*row) if isinstance(row, tuple) else how.format(row)
+
+    return markdown_table([name for name, _ in columns],
+                          [[cell(how, row) for _, how in columns] for row in rows])
 
 
 def _markers(name: str) -> tuple[str, str]:
