@@ -1,42 +1,25 @@
-"""The in-process ceiling: what a perfect server could reach on this machine.
+"""The in-process ceiling (``python -m bench``'s first part): what a perfect server could reach here.
 
-    python -m bench.ceiling                       # obama.jpg (1 face) and t1.jpg (6 faces)
-    python -m bench.ceiling --seconds 5 --json ceiling.json
-
-The detector and the embedder run in-process with the ONNX files, settings, runtime and precisions
-``face_pipeline`` serves (read back by ``export.served`` from ``model_repository/cpu``: the same detector
-input sizing, ``dynamic_input``, ``decode_min_side``, OpenVINO bf16/f32 per network as the export's check
-chose), plus the work a perfect server still does: JPEG decode, letterbox + tensor, post-processing + NMS,
-alignment, normalization. Nothing else: no RPC, no queues, no copies between processes. Then all of it
-again with ONNX Runtime f32 on the same files (the *onnxruntime* rows): the runtimes side by side.
-
-1. Sweeps: detector ms per image at batch 1, 2, 4, 8 (at the photo's detector input size) and embedder
-   ms per face at batch 1 ... 64, each with 1 and 2 intra-op threads.
-2. Stage split (a timer around each step of ``facecore.pipeline.run_pipeline``, no profiler): decode /
-   letterbox+tensor / detector / postprocess+NMS / align / embedder / normalize / blur, one image at a
-   time; the median total is the *single-image time*.
-3. End to end: decode + ``run_pipeline`` with the best batch sizes in 1 process x 1 thread, 1 process x
-   2 threads and 2 processes x 1 thread (all at once) -> images/s. The best is the *ceiling*.
-
-The same is measured with the fixed 640x640 detector input (``dynamic_input=False``) for reference, and
-for the *plain* variant (``bench/plain.py``: ONNX Runtime, the original float detector at fixed 640x640
-and SFace without the PReLU rewrite, what the plain naive baseline runs): its sweeps and stage split
-always, its end-to-end run only with the fixed input's (not with ``--no-fixed``).
+The two networks run in this process with the ONNX files, settings, runtime and precisions
+``face_pipeline`` serves (``export.served``), plus the work a perfect server still does (decode,
+letterbox, post-processing, alignment); no RPC, no queues. For each photo: batch sweeps of each network
+on 1 and 2 intra-op threads, a timer split of one image's steps (its total: the *single image*), and
+decode + ``run_pipeline`` end to end with the best batch sizes in each layout (processes x threads):
+the best is the *ceiling*. The same on ONNX Runtime f32 (*onnxruntime*), with the fixed 640x640
+detector input (*fixed*) and for the plain baseline's networks (*plain*, ``bench/plain.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import multiprocessing
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -44,9 +27,7 @@ from unittest import mock
 import numpy as np
 
 import facecore.pipeline as pipeline_module
-from bench import plain as plain_part
-from bench.core.inputs import PHOTOS, ServedModels, load_photos, photo_label, served_models
-from bench.core.reporting import markdown_table
+from bench.core.inputs import ServedModels, photo_label
 from facecore.contract import Faces
 from facecore.pipeline import NetworkInput, PipelineSettings, detector_input_size, network_input, run_pipeline
 from facecore.processing import (
@@ -57,7 +38,7 @@ from facecore.processing import (
     letterbox,
     original_size,
 )
-from facecore.runtimes import Runtime, RuntimeChoice, runner
+from facecore.runtimes import Runner, Runtime, RuntimeChoice, runner
 from facecore.runtimes import detector as runtime_detector
 from facecore.runtimes import embedder as runtime_embedder
 
@@ -125,25 +106,10 @@ def face_crops(data: bytes, models: ServedModels, settings: PipelineSettings) ->
     return align_faces(image, found.landmarks, settings.embedder.input_size[0])
 
 
-def detector_sweep(models: ServedModels, settings: PipelineSettings, data: bytes, threads: int,
-                   batches: Sequence[int], repeats: int) -> dict[int, float]:
-    """Detector ms per image at each batch size (the photo tiled), at the photo's input size, on the
-    models' runtime."""
-    run = runner(models.detector_file, settings.detector.output_names, models.detector_choice(threads))
-    single, _ = detector_input(data, settings)
-    inputs = {b: np.repeat(single, b, 0) for b in batches}
-    return {b: 1000 * median_seconds(lambda b=b: run(inputs[b]), repeats) / b  # type: ignore[misc]
-            for b in batches}
-
-
-def embedder_sweep(models: ServedModels, settings: PipelineSettings, crops: ImageArray, threads: int,
-                   batches: Sequence[int], repeats: int) -> dict[int, float]:
-    """Embedder ms per face at each batch size (the photo's aligned faces, tiled), on the models' runtime."""
-    run = runner(models.embedder_file, settings.embedder.output_names, models.embedder_choice(threads))
-    tensor = network_input(crops, settings.embedder)
+def sweep(run: Runner, tensor: NetworkInput, batches: Sequence[int], repeats: int) -> dict[int, float]:
+    """Milliseconds per item at each batch size: ``tensor``'s items repeated to fill the batch."""
     inputs = {b: np.resize(tensor, (b, *tensor.shape[1:])) for b in batches}
-    return {b: 1000 * median_seconds(lambda b=b: run(inputs[b]), repeats) / b  # type: ignore[misc]
-            for b in batches}
+    return {b: 1000 * median_seconds(partial(run, inputs[b]), repeats) / b for b in batches}
 
 
 def best(per_item: dict[int, float]) -> int:
@@ -280,6 +246,18 @@ def end_to_end(job: WorkerJob, processes: int) -> tuple[float, float]:
     return float(sum(n / elapsed for n, elapsed, _ in done)), 1000 * sum(cpu for _, _, cpu in done) / images
 
 
+def run_layout(models: ServedModels, data: bytes, settings: PipelineSettings, layout: Layout,
+               seconds: float) -> None:
+    """``layout`` end to end with its batch sizes; it keeps the better of this run and what it holds."""
+    job = WorkerJob(data, replace(settings, detector_max_batch=layout.detector_batch,
+                                  embedder_max_batch=layout.embedder_batch),
+                    models.detector_file, models.embedder_file, models.detector_choice(layout.threads),
+                    models.embedder_choice(layout.threads), layout.images_per_call, seconds)
+    images_per_s, cpu_ms = end_to_end(job, layout.processes)
+    if images_per_s > layout.images_per_s:
+        layout.images_per_s, layout.cpu_ms_per_image = images_per_s, cpu_ms
+
+
 # --- one photo -------------------------------------------------------------------------------------------
 
 
@@ -292,11 +270,6 @@ class Layout:
     images_per_call: int
     images_per_s: float = 0.0
     cpu_ms_per_image: float = 0.0
-
-    @property
-    def label(self) -> str:
-        return (f"{self.processes} process{'es' if self.processes > 1 else ''} x {self.threads} "
-                f"thread{'s' if self.threads > 1 else ''}")
 
 
 @dataclass
@@ -362,8 +335,9 @@ def measure_photo(models: ServedModels, name: str, data: bytes, settings: Pipeli
     for threads in options.threads:
         log.info("%s %s, %s: detector sweep and stage split with %d thread(s)", name, sizing, models.runtime,
                  threads)
-        result.detector_ms[threads] = detector_sweep(models, settings, data, threads,
-                                                     options.detector_batches, options.repeats)
+        run = runner(models.detector_file, settings.detector.output_names, models.detector_choice(threads))
+        result.detector_ms[threads] = sweep(run, detector_input(data, settings)[0], options.detector_batches,
+                                            options.repeats)
         result.splits.append(stage_split(models, settings, data, threads, options.split_repeats))
     for processes, threads in options.layouts if layouts is None else layouts:
         if threads not in result.detector_ms:
@@ -372,15 +346,10 @@ def measure_photo(models: ServedModels, name: str, data: bytes, settings: Pipeli
         emb = best(result.embedder_ms[threads]) if threads in result.embedder_ms else 1
         # Enough images per call that the embedder gets its best batch; a multiple of the detector's.
         per_call = max(det, det * math.ceil(emb / max(faces, 1) / det))
-        layout = Layout(processes, threads, det, emb, per_call)
-        run_settings = replace(settings, detector_max_batch=det, embedder_max_batch=emb)
-        job = WorkerJob(data, run_settings, models.detector_file, models.embedder_file,
-                        models.detector_choice(threads), models.embedder_choice(threads), per_call,
-                        options.seconds)
-        log.info("%s %s: end to end, %s, detector batch %d, embedder batch %d", name, sizing, layout.label,
-                 det, emb)
-        layout.images_per_s, layout.cpu_ms_per_image = end_to_end(job, processes)
-        result.layouts.append(layout)
+        log.info("%s %s: end to end, %d x %d, detector batch %d, embedder batch %d", name, sizing, processes,
+                 threads, det, emb)
+        result.layouts.append(layout := Layout(processes, threads, det, emb, per_call))
+        run_layout(models, data, settings, layout, options.seconds)
     return result
 
 
@@ -390,8 +359,9 @@ def _embedder_sweeps(models: ServedModels, crops: ImageArray, options: CeilingOp
     for threads in options.threads:
         log.info("%s embedder sweep (%s) with %d thread(s) on %d real faces", what, models.runtime, threads,
                  len(crops))
-        sweeps[threads] = embedder_sweep(models, models.settings, crops, threads, options.embedder_batches,
-                                         options.repeats)
+        spec = models.settings.embedder
+        run = runner(models.embedder_file, spec.output_names, models.embedder_choice(threads))
+        sweeps[threads] = sweep(run, network_input(crops, spec), options.embedder_batches, options.repeats)
     return sweeps
 
 
@@ -465,142 +435,5 @@ def second_pass(models: ServedModels, photos: dict[str, bytes], options: Ceiling
             if new.total_ms < old.total_ms:
                 row.splits[index] = new
         for layout in row.layouts:
-            run_settings = replace(settings, detector_max_batch=layout.detector_batch,
-                                   embedder_max_batch=layout.embedder_batch)
-            threads = layout.threads
-            job = WorkerJob(data, run_settings, run_models.detector_file, run_models.embedder_file,
-                            run_models.detector_choice(threads), run_models.embedder_choice(threads),
-                            layout.images_per_call, options.seconds)
-            images_per_s, cpu_ms = end_to_end(job, layout.processes)
-            if images_per_s > layout.images_per_s:
-                layout.images_per_s, layout.cpu_ms_per_image = images_per_s, cpu_ms
+            run_layout(run_models, data, settings, layout, options.seconds)
         row.passes = 2
-
-
-# --- report -----------------------------------------------------------------------------------------------
-
-
-def _ms(value: float) -> str:
-    return f"{value:.1f}"
-
-
-def summary_table(results: Sequence[PhotoCeiling]) -> str:
-    columns = ("photo", "runtime", "detector input", "faces", "single image ms (1 / 2 threads)",
-               "best detector batch, ms/image (1 / 2 thr)", "best embedder batch, ms/face (1 / 2 thr)",
-               *(f"images/s, {Layout(p, t, 0, 0, 0).label}" for p, t in LAYOUTS), "ceiling images/s")
-    rows = []
-    for r in results:
-        singles = " / ".join(_ms(s.total_ms) for s in r.splits)
-        det = " / ".join(f"{best(v)}: {_ms(v[best(v)])}" for v in r.detector_ms.values())
-        emb = " / ".join(f"{best(v)}: {_ms(v[best(v)])}" for v in r.embedder_ms.values()) or "—"
-        by_layout = {(lay.processes, lay.threads): lay.images_per_s for lay in r.layouts}
-        rows.append((r.label, r.runtime, f"{r.input_size[0]}x{r.input_size[1]} ({r.sizing})", str(r.faces),
-                     singles, det,
-                     emb, *(f"{by_layout[k]:.1f}" if k in by_layout else "—" for k in LAYOUTS),
-                     f"**{r.images_per_s:.1f}**" if r.layouts else "—"))
-    return markdown_table(columns, rows)
-
-
-def _input(r: PhotoCeiling) -> str:
-    return f"{r.input_size[0]}x{r.input_size[1]}" + (", PReLU embedder" if r.variant == "plain" else "")
-
-
-def split_table(results: Sequence[PhotoCeiling]) -> str:
-    columns = ("photo", "runtime", "detector input", "threads", *STAGES, "total ms",
-               "outside the two models ms")
-    rows = []
-    for r in results:
-        for s in r.splits:
-            rows.append((r.label, r.runtime, _input(r), str(s.threads),
-                         *(f"{s.stages_ms[k]:.2f}" for k in STAGES), f"{s.total_ms:.1f}",
-                         f"{s.outside_models_ms:.2f}"))
-    return markdown_table(columns, rows)
-
-
-#: The embedder each variant runs, as the sweep table names it.
-EMBEDDERS = {"served": "embedder (per face), served", "onnxruntime": "embedder (per face), served file",
-             "plain": "embedder (per face), plain: PReLU kept"}
-
-
-def sweep_table(results: Sequence[PhotoCeiling]) -> str:
-    columns = ("photo", "runtime", "detector input", "network", "threads", "ms per item at batch …")
-    rows: list[tuple[str, ...]] = []
-    seen = set()
-    for r in results:  # one detector sweep per photo, runtime and input size
-        if (r.label, r.runtime, r.input_size) in seen:
-            continue
-        seen.add((r.label, r.runtime, r.input_size))
-        for threads, values in r.detector_ms.items():
-            rows.append((r.label, r.runtime, f"{r.input_size[0]}x{r.input_size[1]}", "detector (per image)",
-                         str(threads), ", ".join(f"{b}: {v:.1f}" for b, v in values.items())))
-    sweeps = {(r.runtime, EMBEDDERS.get(r.variant, EMBEDDERS["served"])): r.embedder_ms for r in results}
-    for (runtime, network), sweep in sweeps.items():
-        for threads, values in sweep.items():
-            rows.append(("all faces of the photos", runtime, "112x112", network, str(threads),
-                         ", ".join(f"{b}: {v:.1f}" for b, v in values.items())))
-    return markdown_table(columns, rows)
-
-
-HOW_TO_READ = """\
-**How to read this.** Everything runs in this one Python process (or 2 for the 2 x 1 layout) with the
-served ONNX files and settings: no RPC, no queues. The *runtime* column says what ran the two networks:
-the served runtime and precisions (read back from the repository's configs), or ONNX Runtime f32 on the
-same files, so the two ceilings compare the runtimes alone. *Single image* is decode + `run_pipeline` for one
-image, one at a time (the best of 1 and 2 intra-op threads): the latency floor. *images/s* runs decode +
-`run_pipeline` back to back with the best batch sizes for that thread count (enough images per call that
-the embedder reaches its best batch): the throughput a perfect server could reach. The stage split wraps
-each step `facecore.pipeline` calls with a timer (medians of single-image runs; *other* is what is left:
-array glue, concatenation); *outside the two models* is everything but the detector and embedder calls.
-Rows marked *fixed 640x640* letterbox every image to the full detector input instead of sizing it to the
-image (the detector's ms per image grow with its pixels); *PReLU embedder* rows run ONNX Runtime with the
-original float NCHW detector file and SFace as converted without the PReLU rewrite: the plain naive
-baseline's work (compare the embedder rows of the
-sweeps and the *embedder* column of the split). In `python -m bench`, the served and ONNX Runtime rows are
-measured twice, at the start of the run and again after the stack and the memory run, and show the better
-pass of each (shortest single image, most images/s): noise only slows a measurement down, and this machine's
-speed drifts from one minute to the next.
-"""
-
-
-def document(results: Sequence[PhotoCeiling]) -> str:
-    return "\n\n".join(["### Ceiling: in-process, the served runtime and ONNX Runtime (`bench/ceiling.py`)",
-                        summary_table(results),
-                        "Stage split, one image at a time (ms, medians):", split_table(results),
-                        "Batch sweeps (ms per item):", sweep_table(results), HOW_TO_READ.strip()])
-
-
-def to_json(results: Sequence[PhotoCeiling]) -> list[dict[str, Any]]:
-    return [{**asdict(r), "single_image_ms": r.single_image_ms, "images_per_s": r.images_per_s,
-             "outside_models_ms": r.best_split.outside_models_ms} for r in results]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repository", type=Path, default=None, help="CPU model repository (default: "
-                        "model_repository/cpu)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="end-to-end run per layout (default: 10)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per sweep point (default: 5)")
-    parser.add_argument("--split-repeats", type=int, default=15,
-                        help="single-image runs per split (default: 15)")
-    parser.add_argument("--photos", nargs="+", default=list(PHOTOS))
-    parser.add_argument("--no-fixed", action="store_true", help="skip the fixed 640x640 detector input")
-    parser.add_argument("--no-plain", action="store_true",
-                        help="skip the plain variant (fixed 640x640, SFace without the PReLU rewrite)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    models = served_models(args.repository) if args.repository else served_models()
-    options = CeilingOptions(seconds=args.seconds, repeats=args.repeats, split_repeats=args.split_repeats,
-                             fixed=not args.no_fixed)
-    photos = load_photos(args.photos)
-    plain = None if args.no_plain else plain_part.prepare(models, photos).models
-    results = run(models, photos, options, plain)
-    print(document(results))
-    if args.json:
-        args.json.write_text(json.dumps(to_json(results), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,18 +1,10 @@
-"""Latency at concurrency 1, paired: the in-process ceiling's single image, gRPC ``face_pipeline`` and REST
-``identify``, one call of each in turn, round after round (``python -m bench``'s *latency* part).
+"""Latency at concurrency 1, paired (``python -m bench``'s *latency* part): the ceiling's single image in
+this process, gRPC ``face_pipeline`` and REST ``identify``, one call of each in turn, round after round.
 
-The ceiling's single image (``bench/ceiling.py``) and the stack's p50 at concurrency 1 (``bench/stack.py``)
-are otherwise measured minutes apart, and a shared 2-core machine's speed drifts from one minute to the
-next by more than the few milliseconds between them (on a 2-core Xeon, a gRPC call's p50 came out at 42 ms
-against a single image of 23 ms measured minutes before; see docs/benchmarks). Here every round times the
-three calls back to back, so a drift falls on all three alike: the ratio of their medians is the target's
-ratio, and the median of each round's own ratio is beside it.
-
-A short pause separates the calls: a runtime's worker threads keep spinning for a moment after a call
-(OpenVINO's, and the servers' poller threads), and that moment must not fall on the next call, which
-belongs to another process. The ceiling runs in this process with the served runtime, files and settings
-(decode + ``run_pipeline``: what its single image times), on the thread count that won the ceiling's own
-split (default 2: what ``face_pipeline`` gives a lone request).
+Measured minutes apart, the ceiling's single image and the stack's p50 at concurrency 1 differ by the
+machine's drift as much as by the few milliseconds between them; in turn, a drift falls on all three
+alike. A short pause separates the calls: a runtime's worker threads spin for a moment after a call, and
+that moment must not fall on the next call, which belongs to another process.
 """
 
 from __future__ import annotations
@@ -25,7 +17,6 @@ from functools import partial
 
 from bench.ceiling import process
 from bench.core.inputs import ServedModels
-from bench.core.reporting import markdown_table
 from bench.stack import GRPC, MAX_FACES, REST, Stack, identify_sender
 from facecore.client import PipelineClient
 
@@ -108,14 +99,3 @@ def measure(running: Stack, models: ServedModels, photos: Mapping[str, bytes], t
     finally:
         client.close()
     return out
-
-
-def table(rows: list[PairedLatency]) -> str:
-    return markdown_table(
-        ["photo", "rounds", "ceiling threads", "ceiling single image p50 ms", "gRPC face_pipeline p50 ms",
-         "REST identify p50 ms", "gRPC / ceiling", "REST / ceiling", "gRPC / ceiling, per round (median)",
-         "REST / ceiling, per round (median)"],
-        [[r.photo, str(r.rounds), str(r.threads), f"{r.ceiling_ms:.1f}", f"{r.grpc_ms:.1f}",
-          f"{r.rest_ms:.1f}", f"{r.ratio(GRPC):.2f}", f"{r.ratio(REST):.2f}", f"{r.grpc_paired:.2f}",
-          f"{r.rest_paired:.2f}"]
-         for r in rows])

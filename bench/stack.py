@@ -1,30 +1,13 @@
-"""Our stack: the bundled Triton (``model_repository/cpu``) and the REST gateway, under closed-loop load.
-
-    python -m bench.stack                            # REST identify + gRPC face_pipeline, concurrency 1..16
-    python -m bench.stack --seconds 5 --memory-minutes 1
-
-Starts ``TritonServer`` (log: ``artifacts/bench-stack-tritonserver.log``) and the gateway exactly as
-``make run`` does (``python -m service --triton-url ...`` in a subprocess; a temporary SQLite database
-and snapshot folder; log: ``artifacts/bench-gateway.log``), creates a collection with obama2.jpg
-enrolled, then measures
-
-- ``POST /v1/collections/bench/identify`` with a multipart JPEG (``MultipartSender``: the body encoded once,
-  one kept-alive ``http.client`` connection per load thread);
-- ``face_pipeline`` over gRPC with the call the gateway makes (``PipelineClient.infer``);
-
-at each concurrency: throughput, p50/p90/p99 latency, CPU per request of the load client (this process),
-the gateway and the Triton process tree (server + Python-backend stubs), their resident memory, and
-Triton's statistics per model (average batch, queue vs compute time, time outside the two networks).
-The memory run keeps REST identify at concurrency 16 for ``--memory-minutes`` and samples the resident
-memory of the gateway and of the Triton process tree every few seconds. Its requests send the photo
-resized to 37 aspect ratios in turn (``shape_variants``): the detector's input follows each image's
-aspect ratio, and what a network runtime keeps per input shape must show in the figure, as it would with
-real users' photos.
+"""Our stack for ``python -m bench``: the bundled Triton (``model_repository/cpu``) and the REST gateway,
+started as ``make run`` starts them (a temporary SQLite gallery holding obama2.jpg), under closed-loop
+load: REST ``identify`` (a multipart JPEG) and the ``face_pipeline`` call the gateway makes, sent over
+gRPC directly (``measure_rest``, ``measure_grpc``); the sweep's best concurrency against a high one,
+alternating (``hold_check``); and the memory run (``memory_run``), the photo resized to 37 aspect ratios
+in turn, since what a runtime keeps per input shape must show, as it would with users' photos.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -34,15 +17,14 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import cv2
 import httpx
 import numpy as np
 
-from bench.core.inputs import ARTIFACTS, PHOTOS, REPOSITORY, load_photos
+from bench.core.inputs import ARTIFACTS, REPOSITORY, load_photos
 from bench.core.load import LoadRow, MultipartSender, closed_loop, run_load
 from bench.core.processes import (
     RssSampler,
@@ -54,7 +36,7 @@ from bench.core.processes import (
     rss_bytes,
     start_server,
 )
-from bench.core.reporting import MIB, markdown_table
+from bench.core.reporting import MIB
 from bench.core.triton import bundled_triton
 from facecore.client import PipelineClient
 from service.launcher import stop_process
@@ -159,23 +141,6 @@ def decisions(stack: Stack, name: str, data: bytes) -> list[str]:
         return [str(face["decision"]) for face in json.loads(sender())["faces"]]
     finally:
         sender.close()
-
-
-def measure(stack: Stack, photos: dict[str, bytes], concurrency: Sequence[int] = CONCURRENCY,
-            seconds: float = 10.0) -> list[LoadRow]:
-    """REST identify and gRPC face_pipeline for every photo, alternating at each concurrency (so slow
-    drifts of a shared machine hit both alike)."""
-    rows = []
-    client = PipelineClient(stack.triton_grpc, timeout_s=300)
-    try:
-        for name, data in photos.items():
-            log.info("REST identify %s: %s", name, decisions(stack, name, data))
-            for c in concurrency:
-                rows.append(measure_rest(stack, name, data, c, seconds))
-                rows.append(measure_grpc(stack, client, name, data, c, seconds))
-    finally:
-        client.close()
-    return rows
 
 
 @dataclass
@@ -293,107 +258,3 @@ def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency
     return MemoryRun(minutes, concurrency, interval, [t for t, _ in sampler.samples],
                      {w.name: [s[w.name] / MIB for _, s in sampler.samples] for w in stack.watched()}, row,
                      warmup, breakdown, summed_rss, len(images))
-
-
-# --- report -----------------------------------------------------------------------------------------
-
-LOAD_COLUMNS = ("target", "photo", "concurrency", "images/s", "p50 ms", "p90 ms", "p99 ms", "errors",
-                "CPU ms/request: client / gateway / Triton", "PSS MiB: gateway / Triton")
-
-
-def load_table(rows: Sequence[LoadRow]) -> str:
-    lines = []
-    for r in rows:
-        cpu = " / ".join(f"{v:.1f}" for v in (r.client_cpu_ms, r.cpu_ms.get("gateway", float("nan")),
-                                              r.cpu_ms.get("triton", float("nan"))))
-        rss = " / ".join(f"{r.rss_mib.get(k, float('nan')):.0f}" for k in ("gateway", "triton"))
-        lines.append((r.target, r.photo, str(r.concurrency), f"{r.throughput:.1f}", f"{r.p50_ms:.0f}",
-                      f"{r.p90_ms:.0f}", f"{r.p99_ms:.0f}", str(r.errors), cpu, rss))
-    return markdown_table(LOAD_COLUMNS, lines)
-
-
-STATS_COLUMNS = ("target", "photo", "concurrency", "model", "avg batch (items/execution)", "queue ms/request",
-                 "request ms", "compute ms/execution", "compute ms/item",
-                 "pipeline: outside the networks ms/image")
-
-
-def stats_table(rows: Sequence[LoadRow]) -> str:
-    lines = []
-    for r in rows:
-        for model, s in (r.triton or {}).items():
-            outside = s.get("outside_models_ms_per_image")
-            lines.append((r.target, r.photo, str(r.concurrency), model, f"{s['avg_batch']:.2f}",
-                          f"{s['queue_ms_per_request']:.1f}", f"{s['request_ms']:.1f}",
-                          f"{s['compute_ms_per_exec']:.1f}", f"{s['compute_ms_per_item']:.1f}",
-                          "—" if outside is None else f"{outside:.1f}"))
-    return markdown_table(STATS_COLUMNS, lines)
-
-
-def cpu_table(rows: Sequence[LoadRow]) -> str:
-    """CPU milliseconds per request of every process: where the machine's time goes."""
-    processes = list(dict.fromkeys(k for r in rows for k in r.cpu_detail_ms))
-    columns = ("target", "photo", "concurrency", "load client", "gateway", *processes, "total")
-    lines = []
-    for r in rows:
-        lines.append((r.target, r.photo, str(r.concurrency), f"{r.client_cpu_ms:.1f}",
-                      f"{r.cpu_ms.get('gateway', float('nan')):.1f}",
-                      *(f"{r.cpu_detail_ms.get(k, float('nan')):.1f}" for k in processes),
-                      f"{r.cpu_ms_total:.1f}"))
-    return markdown_table(columns, lines)
-
-
-def hold_table(checks: Sequence[HoldCheck]) -> str:
-    return markdown_table(
-        ["photo", "concurrency: best of the sweep / high", "window s", "images/s at the best, per round",
-         "images/s at the high, per round", "high / best, per round", "median", "errors"],
-        [[c.photo, f"{c.best_concurrency} / {c.high_concurrency}", f"{c.seconds:g}",
-          " / ".join(f"{v:.1f}" for v in c.best), " / ".join(f"{v:.1f}" for v in c.high),
-          " / ".join(f"{s:.0%}" for s in c.shares), f"{c.share:.0%}", str(c.errors)] for c in checks])
-
-
-def memory_table(run: MemoryRun) -> str:
-    columns = ("process", "start MiB", "end MiB", "min MiB", "max MiB", "largest deviation from start",
-               "end vs start", "trend MiB/min")
-    lines = []
-    for name in run.rss_mib:
-        f = run.flatness(name)
-        if f:
-            lines.append((name, f"{f['start']:.0f}", f"{f['end']:.0f}", f"{f['min']:.0f}", f"{f['max']:.0f}",
-                          f"{f['max_deviation_pct']:.1f} %", f"{f['end_change_pct']:+.1f} %",
-                          f"{f['slope_mib_per_min']:+.2f}"))
-    return markdown_table(columns, lines)
-
-
-def to_json(rows: Sequence[LoadRow], memory: MemoryRun | None) -> dict[str, Any]:
-    return {"rows": [asdict(r) for r in rows], "memory": asdict(memory) if memory else None}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.stack", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repository", type=Path, default=REPOSITORY)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--photos", nargs="+", default=list(PHOTOS))
-    parser.add_argument("--memory-minutes", type=float, default=0.0, help="memory run length (default: none)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    photos = load_photos(args.photos)
-    memory = None
-    with running_stack(args.repository) as stack:
-        rows = measure(stack, photos, args.concurrency, args.seconds)
-        if args.memory_minutes > 0:
-            name = args.photos[0]
-            memory = memory_run(stack, name, photos[name], args.memory_minutes)
-    print(load_table(rows), stats_table(rows), sep="\n\n")
-    if memory:
-        print("\n" + memory_table(memory))
-    if args.json:
-        args.json.write_text(json.dumps(to_json(rows, memory), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

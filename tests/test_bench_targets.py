@@ -253,10 +253,15 @@ def test_the_hold_check_alternates_the_two_concurrencies(monkeypatch: pytest.Mon
     monkeypatch.setattr(stack_part, "hold_check", hold_check)
     sweep = [_row("REST identify", "obama.jpg", 8, 20.0), _row("REST identify", "obama.jpg", 16, 19.0),
              _row("REST identify", "t1.jpg", 8, 9.0), _row("REST identify", "t1.jpg", 16, 10.0)]
-    plan = bench_main.plan(bench_main.arguments().parse_args(["--quick"]))
     photos = {"obama.jpg": b"1", "t1.jpg": b"6"}
-    checks = bench_main._hold(_results(stack=sweep), plan, None, photos)  # type: ignore[arg-type]
+
+    def hold(*argv: str) -> list[HoldCheck]:
+        run = bench_main.Run(bench_main.plan(bench_main.arguments().parse_args(["--quick", *argv])),
+                             _results(stack=sweep), photos, None, Path(), Path(), stack=object())  # type: ignore[arg-type]
+        bench_main.hold(run)
+        return run.results.hold
+
+    checks = hold()
     assert checked == [("obama.jpg", 8, 16)]  # t1.jpg was best at 16 already
-    assert [c.seconds for c in checks] == [plan.seconds / 2]
-    without_16 = bench_main.plan(bench_main.arguments().parse_args(["--quick", "--concurrency", "1", "8"]))
-    assert bench_main._hold(_results(stack=sweep), without_16, None, photos) == []  # type: ignore[arg-type]
+    assert [c.seconds for c in checks] == [1.0]  # half the --quick plan's 2 s
+    assert hold("--concurrency", "1", "8") == []
