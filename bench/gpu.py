@@ -1,33 +1,15 @@
-"""The GPU plan's first measurements (docs/gpu-plan.md), with PyTorch standing in for TensorRT.
+"""The GPU plan's measurements (docs/gpu-plan.md), with PyTorch standing in for TensorRT.
 
     python -m bench.gpu bundle --out gpu-bundle                  # here: what the GPU host needs, one folder
     python -m bench.gpu run --bundle gpu-bundle --json gpu.json  # there: PyTorch with CUDA
 
-TensorRT cannot be installed on the machines this project is built and lent on (no TensorRT on PyPI that
-installs, none on the lent GPU host), so the gpu profile's ONNX files run with PyTorch operations
-(``export.onnx_torch``), in float32 and in float16 (``torch.autocast``). That is the same arithmetic on the
-same GPU, not what a TensorRT plan reaches: TensorRT fuses layers and picks kernels per shape, and is
-usually faster than PyTorch. ``bundle`` copies what ``run`` needs from the gpu model
-repository (``python -m export defaults``) and the test photos (``python -m export photos``); ``run`` needs
-neither Triton nor FAISS. Parts, each timed on its own:
-
-- networks: the detector (the gpu profile's fixed 640x640 uint8 input) and the embedder (112x112 faces),
-  images per second at batch 1 ... 256, the inputs already on the device, run op by op (eager) and, on a
-  GPU, replayed as a CUDA graph (no Python or launch cost per operator: nearer what an engine pays);
-- precision: float16 (and float32) put through the check a TensorRT plan must pass
-  (``export.engine_check``: the same faces, box IoU, decisions; embedding cosine >= 0.999);
-- decode: the JPEG test photos decoded by nvJPEG (``torchvision.io.decode_jpeg`` on the GPU, a batch per
-  call) and by the decode ``face_pipeline`` uses (``facecore.processing.decode_sized``, full size and
-  reduced) on one core and on every core;
-- pipeline: one request = decode + ``facecore.run_pipeline`` (the Python work on a CPU core, the networks
-  on the device in float16), photos per second for a 1-face and a 6-face photo, in one process and in as
-  many processes as the gpu profile starts ``face_pipeline`` instances (the cores minus 2);
-- gallery: exact top-10 search in float16 (one matrix product and ``topk``) over 1M and 10M random
-  unit vectors of 128 and 512 dimensions, blocks of 1, 32 and 256 queries, and float16's recall@10
-  against float32 (the gallery data are random, not faces: a speed figure).
-
-``--device cpu`` runs the same code (the tests run it on tiny sizes); on CPU, reduced precision is
-bfloat16.
+TensorRT installs neither here nor on the lent GPU host, so the gpu profile's ONNX files run with PyTorch
+operations (``export.onnx_torch``) in float32 and float16: the same arithmetic on the same GPU, a floor
+for what a plan reaches. ``run`` needs neither Triton nor FAISS; its parts: *networks* (batch 1-256, op by
+op and as CUDA graphs), *precision* (``export.engine_check``'s plan check), *decode* (nvJPEG against
+``face_pipeline``'s decode on every core), *pipeline* (decode + ``run_pipeline`` in 1 and cores - 2
+processes) and *gallery* (exact float16 search over 1M and 10M random vectors). ``--device cpu`` runs the
+same code on tiny sizes (the tests).
 """
 
 from __future__ import annotations
@@ -52,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import gpu_precision
 from facecore.pipeline import PipelineSettings
 from facecore.processing import decode_sized
 
@@ -75,12 +58,10 @@ class Sizes:
 
     embedder_batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
     detector_batches: tuple[int, ...] = (1, 8, 32, 64)
-    #: Seconds each timed point runs for (after a warm-up).
-    seconds: float = 0.5
+    seconds: float = 0.5  # each timed point, after a warm-up
     decode_batch: int = 32
     pipeline_seconds: float = 6.0
-    #: Processes of the pipeline part; 0 stands for the cores minus 2 (the gpu profile's instances).
-    pipeline_processes: tuple[int, ...] = (1, 0)
+    pipeline_processes: tuple[int, ...] = (1, 0)  # 0: the cores minus 2 (the gpu profile's instances)
     gallery_sizes: tuple[int, ...] = (1_000_000, 10_000_000)
     gallery_dims: tuple[int, ...] = (128, 512)
     gallery_blocks: tuple[int, ...] = (1, 32, 256)
@@ -101,8 +82,6 @@ class Report:
     gallery: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-
-# --- bundle (runs where the model repository is) --------------------------------------------------------
 
 def bundle(repository: Path, photos: Path, out: Path) -> Path:
     """Copy the gpu profile's two ONNX files, ``face_pipeline``'s settings and the photos into ``out``."""
@@ -132,8 +111,6 @@ def load_settings(folder: Path) -> PipelineSettings:
                                 "`python -m bench.gpu bundle --out FOLDER`")
     return PipelineSettings.from_parameters(json.loads((folder / SETTINGS).read_text()))
 
-
-# --- the networks as PyTorch modules ------------------------------------------------------------------
 
 def _torch() -> Any:
     import torch
@@ -174,126 +151,45 @@ def _timed(call: Callable[[], Any], device: str, seconds: float) -> float:
     return statistics.median(rounds)
 
 
-def measure_networks(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes
+def measure_networks(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes, cores: int
                      ) -> list[dict[str, Any]]:
     from export.onnx_torch import OnnxModule, cuda_graph, reduced_dtype
 
     torch = _torch()
     torch.backends.cudnn.benchmark = True
     rows: list[dict[str, Any]] = []
-    dtype = reduced_dtype(device)
     for role, spec, batches, file in (("detector", settings.detector, sizes.detector_batches, DETECTOR_FILE),
                                       ("embedder", settings.embedder, sizes.embedder_batches, EMBEDDER_FILE)):
         module = OnnxModule(folder / file, device)
         width, height = spec.input_size
-        for batch in batches:
-            if role == "detector":  # the served detector: uint8 NHWC, letterboxed BGR
-                x = torch.randint(0, 256, (batch, height, width, 3), dtype=torch.uint8, device=device)
-            else:
-                x = torch.rand((batch, 3, height, width), device=device) * 255
-            for precision, reduced in precisions(device):
-                def call(m: Any = module, x: Any = x, reduced: bool = reduced) -> Any:
-                    with torch.inference_mode(), torch.autocast(device.split(":")[0], dtype=dtype,
-                                                                enabled=reduced, cache_enabled=False):
-                        return m(x)
+        for batch, (precision, reduced) in itertools.product(batches, precisions(device)):
+            x = (torch.randint(0, 256, (batch, height, width, 3), dtype=torch.uint8, device=device)
+                 if role == "detector" else torch.rand((batch, 3, height, width), device=device) * 255)
 
-                for how in ("eager", "cuda graph") if device.startswith("cuda") else ("eager",):
-                    try:
-                        seconds = _timed(call if how == "eager" else cuda_graph(call).replay, device,
-                                         sizes.seconds)
-                    except RuntimeError as exc:  # a capture that fails loses that row, not the part
-                        rows.append({"network": role, "precision": precision, "run": how, "batch": batch,
-                                     "error": str(exc)[:300]})
-                        continue
-                    rows.append({"network": role, "input": f"{width}x{height}", "precision": precision,
-                                 "run": how, "batch": batch, "ms_per_batch": seconds * 1000,
-                                 "per_second": batch / seconds})
-                    log.info("%s %s %s batch %d: %.3f ms, %.0f/s", role, precision, how, batch,
-                             seconds * 1000, batch / seconds)
+            def call(m: Any = module, x: Any = x, reduced: bool = reduced) -> Any:
+                with torch.inference_mode(), torch.autocast(device.split(":")[0], dtype=reduced_dtype(device),
+                                                            enabled=reduced, cache_enabled=False):
+                    return m(x)
+
+            for how in ("eager", "cuda graph") if device.startswith("cuda") else ("eager",):
+                row = {"network": role, "precision": precision, "run": how, "batch": batch}
+                try:
+                    run = call if how == "eager" else cuda_graph(call).replay
+                    seconds = _timed(run, device, sizes.seconds)
+                except RuntimeError as exc:  # a capture that fails loses that row, not the part
+                    rows.append(row | {"error": str(exc)[:300]})
+                    continue
+                rows.append(row | {"input": f"{width}x{height}", "ms_per_batch": seconds * 1000,
+                                   "per_second": batch / seconds})
+                log.info("%s %s %s batch %d: %.3f ms", role, precision, how, batch, seconds * 1000)
         del module
     return rows
 
 
-def precision_variants(device: str) -> list[tuple[str, bool, bool]]:
-    """(name, reduced, tf32) of the precision checks: on a GPU float32 as cuDNN and cuBLAS run it by default
-    (TF32 tensor cores on Ampere and later, as TensorRT's FP32 builds do by default), strict float32 and
-    float16; on a CPU float32."""
-    if not device.startswith("cuda"):
-        return [("float32", False, False)]
-    return [("float32 (tf32 allowed)", False, True), ("float32 (tf32 off)", False, False),
-            (precisions(device)[-1][0], True, False)]
-
-
-def _set_tf32(allowed: bool) -> None:
-    torch = _torch()
-    torch.backends.cuda.matmul.allow_tf32 = allowed
-    torch.backends.cudnn.allow_tf32 = allowed
-
-
-def measure_precision(folder: Path, settings: PipelineSettings, device: str) -> list[dict[str, Any]]:
-    """``export.engine_check``'s checks with the ONNX files run by PyTorch in place of TensorRT plans, and
-    for the detector what moved: every decision that changed, and the largest change of each measure the
-    decisions are made from."""
-    from export.engine_check import EngineChecker, _detector, _embedder, load_check_images, onnx_runner
-    from export.onnx_torch import torch_runner
-    from facecore.pipeline import run_pipeline
-
-    rows = []
-    images = load_check_images(folder / PHOTOS)
-    detector, embedder = folder / DETECTOR_FILE, folder / EMBEDDER_FILE
-    reference = EngineChecker(settings, images, onnx_runner).reference(detector, embedder)
-    tf32 = (_torch().backends.cuda.matmul.allow_tf32, _torch().backends.cudnn.allow_tf32)
-    try:
-        for precision, reduced, allow_tf32 in precision_variants(device):
-            _set_tf32(allow_tf32)
-            checker = EngineChecker(settings, images, partial(torch_runner, device=device, reduced=reduced))
-            checker._references[(detector, embedder)] = reference  # computed once for every variant
-            for check in (checker.check_detector(detector, detector, embedder, precision),
-                          checker.check_embedder(embedder, embedder, detector, precision)):
-                row = {**asdict(check), "runtime": f"pytorch {device}"}
-                if check.network == "detector":
-                    got = run_pipeline(images, [settings.default_options] * len(images), settings,
-                                       _detector(torch_runner(detector, settings.detector.output_names,
-                                                              device, reduced)),
-                                       _embedder(onnx_runner(embedder, settings.embedder.output_names)))
-                    row |= moved(reference, got, settings.embedder.match_threshold)
-                rows.append(row)
-                log.info("precision (PyTorch on %s): %s", device, check.summary().replace("tensorrt ", ""))
-                for change in row.get("changed", []):
-                    log.info("  changed: %s", change)
-    finally:
-        _set_tf32(tf32[0])
-        _torch().backends.cudnn.allow_tf32 = tf32[1]
-    return rows
-
-
-def moved(reference: Sequence[Any], candidate: Sequence[Any], threshold: float) -> dict[str, Any]:
-    """What a candidate pipeline changed against the reference: each changed decision with the values it
-    was made from (``export.precision.decision_changes``), and the largest change of each measure."""
-    from export.precision import decision_changes, matched, qualities
-
-    pairs = [matched(r, c) for r, c in zip(reference, candidate, strict=True)]
-    if any(len(r) != len(c) for r, c in zip(reference, pairs, strict=True)):
-        return {"changed": [{"kind": "faces", "what": "another number of faces"}], "largest_change": {}}
-    largest: dict[str, float] = {}
-    for r, c in zip(reference, pairs, strict=True):
-        for a, b in zip(qualities(r), qualities(c), strict=True):
-            for key, value in asdict(a).items():
-                relative = abs(asdict(b)[key] - value) / max(abs(value), 1e-9)
-                largest[key] = max(largest.get(key, 0.0), relative)
-    ref_all = np.concatenate([r.embeddings for r in reference])
-    got_all = np.concatenate([c.embeddings for c in pairs])
-    pair_change = np.abs(ref_all @ ref_all.T - got_all @ got_all.T)
-    largest["pair_cosine_absolute"] = float(pair_change.max(initial=0.0))
-    return {"changed": decision_changes(reference, pairs, threshold), "largest_change": largest}
-
-
-# --- decode ------------------------------------------------------------------------------------------
-
 def _decode_many(args: tuple[bytes, int, int, int]) -> int:
-    data, max_pixels, min_side, count = args
     import cv2
 
+    data, max_pixels, min_side, count = args
     cv2.setNumThreads(1)
     for _ in range(count):
         decode_sized(data, max_pixels, min_side)
@@ -302,70 +198,56 @@ def _decode_many(args: tuple[bytes, int, int, int]) -> int:
 
 def measure_decode(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes, cores: int
                    ) -> list[dict[str, Any]]:
-    torch = _torch()
+    """``face_pipeline``'s decode (full size and reduced) on one core and on every core; nvJPEG (a GPU)."""
     rows: list[dict[str, Any]] = []
-    photos = {p.name: p.read_bytes() for p in sorted((folder / PHOTOS).glob("*.jpg"))}
-    context = mp.get_context("spawn")
-    with ProcessPoolExecutor(cores, mp_context=context) as pool:
+    gpu = device.startswith("cuda")
+    if gpu:
+        from torchvision.io import decode_jpeg
+    with ProcessPoolExecutor(cores, mp_context=mp.get_context("spawn")) as pool:
         list(pool.map(_decode_many, [(b"", 0, 0, 0)] * cores))  # start the workers before timing
-        for name, data in photos.items():
+        for path in sorted((folder / PHOTOS).glob("*.jpg")):
+            data = path.read_bytes()
             for min_side in sorted({0, settings.decode_min_side}):
                 image, size = decode_sized(data, settings.max_pixels, min_side)
-                one = _timed(partial(decode_sized, data, settings.max_pixels, min_side), "cpu",
-                             sizes.seconds)
-                per_worker = max(1, int(sizes.seconds / one))
+                one = _timed(partial(decode_sized, data, settings.max_pixels, min_side), "cpu", sizes.seconds)
                 start = time.perf_counter()
-                work = [(data, settings.max_pixels, min_side, per_worker)] * cores
-                done = sum(pool.map(_decode_many, work))
-                elapsed = time.perf_counter() - start
-                rows.append({"photo": name, "size": f"{size[0]}x{size[1]}",
+                done = sum(pool.map(_decode_many, [(data, settings.max_pixels, min_side,
+                                                    max(1, int(sizes.seconds / one)))] * cores))
+                rows.append({"photo": path.name, "size": f"{size[0]}x{size[1]}", "cores": cores,
                              "decoded": f"{image.shape[1]}x{image.shape[0]}",
-                             "decoder": "cpu (facecore decode_sized)", "ms_one": one * 1000,
-                             "per_second_one_core": 1 / one, "cores": cores,
-                             "per_second_all_cores": done / elapsed})
-            if not device.startswith("cuda"):
-                continue
-            from torchvision.io import decode_jpeg
-
-            encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            for batch in (1, sizes.decode_batch):
-                images = [encoded] * batch
-                row: dict[str, Any] = {"photo": name, "batch": batch,
-                                       "decoder": "nvjpeg (torchvision decode_jpeg, device cuda)"}
+                             "decoder": "cpu (facecore decode_sized)",
+                             "ms_one": one * 1000, "per_second_one_core": 1 / one,
+                             "per_second_all_cores": done / (time.perf_counter() - start)})
+            for batch in (1, sizes.decode_batch) if gpu else ():
+                row = {"photo": path.name, "batch": batch,
+                       "decoder": "nvjpeg (torchvision decode_jpeg, device cuda)"}
+                encoded = [_torch().frombuffer(bytearray(data), dtype=_torch().uint8)] * batch
                 try:
-                    seconds = _timed(partial(decode_jpeg, images, device=device), device, sizes.seconds)
+                    seconds = _timed(partial(decode_jpeg, encoded, device=device), device, sizes.seconds)
                 except RuntimeError as exc:  # nvJPEG refusing one photo loses that row only
                     rows.append(row | {"error": str(exc)[:300]})
                     continue
                 rows.append(row | {"ms_per_batch": seconds * 1000, "per_second": batch / seconds})
-            log.info("decode %s done", name)
     return rows
 
-
-# --- the pipeline, end to end --------------------------------------------------------------------------
 
 def _pipeline_worker(folder: str, device: str, graphs: bool, names: Sequence[str], seconds: float,
                      barrier: Any, results: Any) -> None:
     import cv2
 
+    from export.engine_check import _detector, _embedder
     from export.onnx_torch import torch_runner
     from facecore.pipeline import run_pipeline
 
-    torch = _torch()
-    torch.set_num_threads(1)
+    _torch().set_num_threads(1)
     cv2.setNumThreads(1)
     path = Path(folder)
     settings = load_settings(path)
     reduced = precisions(device)[-1][1]
-    detect_run = torch_runner(path / DETECTOR_FILE, settings.detector.output_names, device, reduced, graphs)
-    embed_run = torch_runner(path / EMBEDDER_FILE, settings.embedder.output_names, device, reduced, graphs)
-
-    def detect(batch: np.ndarray[Any, Any]) -> Any:
-        loc, conf, landmarks = detect_run(batch)
-        return loc, conf, landmarks
-
-    def embed(batch: np.ndarray[Any, Any]) -> Any:
-        return embed_run(batch)[0]
+    detect = _detector(torch_runner(path / DETECTOR_FILE, settings.detector.output_names, device, reduced,
+                                    graphs))
+    embed = _embedder(torch_runner(path / EMBEDDER_FILE, settings.embedder.output_names, device, reduced,
+                                   graphs))
 
     def request(data: bytes) -> int:
         image, size = decode_sized(data, settings.max_pixels, settings.decode_min_side)
@@ -386,7 +268,8 @@ def _pipeline_worker(folder: str, device: str, graphs: bool, names: Sequence[str
         results.put((name, found[name], len(latencies), statistics.median(latencies)))
 
 
-def measure_pipeline(folder: Path, device: str, sizes: Sizes, cores: int) -> list[dict[str, Any]]:
+def measure_pipeline(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes, cores: int
+                     ) -> list[dict[str, Any]]:
     rows = []
     context = mp.get_context("spawn")
     names = [n for n in PIPELINE_PHOTOS if (folder / PHOTOS / n).exists()]
@@ -417,61 +300,46 @@ def measure_pipeline(folder: Path, device: str, sizes: Sizes, cores: int) -> lis
     return rows
 
 
-# --- gallery -----------------------------------------------------------------------------------------
-
-def measure_gallery(device: str, sizes: Sizes) -> list[dict[str, Any]]:
+def measure_gallery(folder: Path, settings: PipelineSettings, device: str, sizes: Sizes, cores: int
+                    ) -> list[dict[str, Any]]:
+    """Exact top-10 search in the reduced precision over random unit vectors, and its recall@10 against
+    float32 (no TF32) on the smallest size."""
     from export.onnx_torch import reduced_dtype
 
-    torch = _torch()
-    rows: list[dict[str, Any]] = []
-    dtype = reduced_dtype(device)
+    torch, dtype, rows = _torch(), reduced_dtype(device), []
     generator = torch.Generator(device=device).manual_seed(7)
-    for dim in sizes.gallery_dims:
-        for count in sizes.gallery_sizes:
-            faces = torch.randn((count, dim), generator=generator, device=device, dtype=dtype)
-            faces /= faces.float().norm(dim=1, keepdim=True).to(dtype)
-            picked = torch.randint(0, count, (max(*sizes.gallery_blocks, sizes.recall_queries),),
-                                   generator=generator, device=device)
-            queries = faces[picked].float() + 0.6 * torch.randn((len(picked), dim), generator=generator,
-                                                                 device=device) / dim ** 0.5
-            queries = (queries / queries.norm(dim=1, keepdim=True)).to(dtype)
-            recall = None
-            if count == min(sizes.gallery_sizes):
-                recall = _recall(faces, queries[: sizes.recall_queries])
-            for block in sizes.gallery_blocks:
-                q = queries[:block]
-                seconds = _timed(partial(_top, q, faces), device, sizes.seconds)
-                rows.append({"faces": count, "dim": dim, "dtype": str(dtype).removeprefix("torch."),
-                             "block": block, "ms_per_block": seconds * 1000,
-                             "queries_per_second": block / seconds,
-                             "bytes_per_million": dim * faces.element_size() * 1_000_000,
-                             "recall_at_10_vs_float32": recall})
-                log.info("gallery %d x %d block %d: %.3f ms", count, dim, block, seconds * 1000)
-            del faces, queries
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+    for dim, count in itertools.product(sizes.gallery_dims, sizes.gallery_sizes):
+        faces = torch.randn((count, dim), generator=generator, device=device, dtype=dtype)
+        faces /= faces.float().norm(dim=1, keepdim=True).to(dtype)
+        picked = torch.randint(0, count, (max(*sizes.gallery_blocks, sizes.recall_queries),),
+                               generator=generator, device=device)
+        noise = torch.randn((len(picked), dim), generator=generator, device=device) / dim ** 0.5
+        queries = faces[picked].float() + 0.6 * noise
+        queries = (queries / queries.norm(dim=1, keepdim=True)).to(dtype)
+        recall = None
+        if count == min(sizes.gallery_sizes):
+            allowed, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+            exact = torch.topk(queries[:sizes.recall_queries].float() @ faces.float().T, K, dim=1).indices
+            torch.backends.cuda.matmul.allow_tf32 = allowed
+            got = torch.topk(queries[:sizes.recall_queries] @ faces.T, K, dim=1).indices
+            recall = sum(len(set(a) & set(b)) for a, b in zip(exact.tolist(), got.tolist(), strict=True)) / (
+                K * len(exact))
+        for block in sizes.gallery_blocks:
+            seconds = _timed(partial(_top, queries[:block], faces), device, sizes.seconds)
+            rows.append({"faces": count, "dim": dim, "dtype": str(dtype).removeprefix("torch."),
+                         "block": block, "ms_per_block": seconds * 1000,
+                         "queries_per_second": block / seconds,
+                         "bytes_per_million": dim * faces.element_size() * 1_000_000,
+                         "recall_at_10_vs_float32": recall})
+        del faces, queries
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
 
 
 def _top(queries: Any, faces: Any) -> Any:
     return _torch().topk(queries @ faces.T, K, dim=1)
 
-
-def _recall(faces: Any, queries: Any) -> float:
-    """Float16 top-10 against float32 top-10 (no TF32) on the same vectors."""
-    torch = _torch()
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        exact = torch.topk(queries.float() @ faces.float().T, K, dim=1).indices
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-    got = torch.topk(queries @ faces.T, K, dim=1).indices
-    hits = sum(len(set(a) & set(b)) for a, b in zip(exact.tolist(), got.tolist(), strict=True))
-    return hits / (K * len(exact))
-
-
-# --- the run -----------------------------------------------------------------------------------------
 
 def machine(device: str) -> dict[str, str]:
     torch = _torch()
@@ -490,25 +358,14 @@ def machine(device: str) -> dict[str, str]:
     return info
 
 
-PARTS = ("networks", "precision", "decode", "pipeline", "gallery")
-
-
 def run(folder: Path, device: str, sizes: Sizes, parts: Sequence[str], json_path: Path | None) -> Report:
     """Every part in ``parts``; a part that fails is recorded in ``errors`` and the others still run."""
-    report = Report(machine=machine(device))
-    settings = load_settings(folder)
+    report, settings = Report(machine=machine(device)), load_settings(folder)
     cores = len(os.sched_getaffinity(0))
-    steps: dict[str, Callable[[], list[dict[str, Any]]]] = {
-        "networks": lambda: measure_networks(folder, settings, device, sizes),
-        "precision": lambda: measure_precision(folder, settings, device),
-        "decode": lambda: measure_decode(folder, settings, device, sizes, cores),
-        "pipeline": lambda: measure_pipeline(folder, device, sizes, cores),
-        "gallery": lambda: measure_gallery(device, sizes),
-    }
     for part in parts:
         started = time.perf_counter()
         try:
-            setattr(report, part, steps[part]())
+            setattr(report, part, PARTS[part](folder, settings, device, sizes, cores))
         except Exception as exc:
             log.exception("part %s failed", part)
             report.errors.append(f"{part}: {type(exc).__name__}: {exc}")
@@ -516,6 +373,14 @@ def run(folder: Path, device: str, sizes: Sizes, parts: Sequence[str], json_path
         if json_path is not None:  # after every part: a run cut short keeps what it measured
             json_path.write_text(json.dumps(asdict(report), indent=1) + "\n")
     return report
+
+
+#: Each part: (bundle, settings, device, sizes, cores) -> its rows.
+PARTS: dict[str, Callable[[Path, PipelineSettings, str, Sizes, int], list[dict[str, Any]]]] = {
+    "networks": measure_networks,
+    "precision": lambda folder, settings, device, _sizes, _cores: gpu_precision.check(
+        folder / DETECTOR_FILE, folder / EMBEDDER_FILE, folder / PHOTOS, settings, device),
+    "decode": measure_decode, "pipeline": measure_pipeline, "gallery": measure_gallery}
 
 
 def build_parser() -> argparse.ArgumentParser:
