@@ -200,11 +200,12 @@ def memory(r: Run) -> None:
 
 def gallery(r: Run) -> None:
     from bench import gallery as part
+    from bench.gallery_engines import Row
 
     data, args = r.scratch / "gallery.json", r.plan.gallery_args
     if part.main([*args, "--out", str(r.out / "gallery.md"), "--json", str(data)]) != 0:
         raise RuntimeError("bench.gallery failed")
-    rows = [part.Row(**row) for row in json.loads(data.read_text())["rows"]]
+    rows = [Row(**row) for row in json.loads(data.read_text())["rows"]]
     r.results.gallery = f"Command: `python -m bench.gallery {' '.join(args)}`\n\n{part.result_table(rows)}"
 
 

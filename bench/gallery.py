@@ -4,18 +4,11 @@
     python -m bench.gallery --quick            # 10k and 100k only (CI smoke run)
     python -m bench.gallery --sizes 100000 --dims 128 --queries 500 --json gallery.json
 
-Data: N/10 random identity centres (unit vectors), 10 faces each = normalize(centre + noise), the
-noise of norm sqrt(1/0.75 - 1) so that two faces of one identity have cosine ~0.75 (SFace genuine
-pairs: 0.74-0.77) and faces of different identities ~0 (sd 1/sqrt(d)). Genuine probes are
-``genuine_probes``: a new photo of an enrolled person at cosine 0.75 to one stored face, its source;
-impostor probes are faces of identities that are not enrolled (the same generator, another seed).
-
-For each size and dimension: the exact index; each candidate of ``--candidates`` built as
-``FaceIndex.build`` builds it (its search effort tuned on the collection's own probes until the recall
-lower bound and the decision agreement reach the targets, or refused); Milvus-lite (FLAT) up to
-``--milvus-max`` faces. Measured (``bench/gallery_measure.py``) on held-out probes: p50/p99 of one query,
-queries/s at concurrency 1/8/32 through the request batcher, recall@10 and its lower bound, decision
-agreement, memory per million faces, build and load time. Writes a Markdown section to --out.
+Synthetic faces: N/10 random identity centres, 10 faces each at cosine ~0.75 to one another (SFace's
+genuine pairs) and ~0 to other identities. Each index is built as ``FaceIndex.build`` builds it (a
+candidate tuned on the collection's own probes, or refused) and measured on held-out genuine and impostor
+probes (``bench/gallery_engines.py``); Milvus-lite (FLAT, the `milvus` extra) up to ``--milvus-max``
+faces. Writes a Markdown section to --out; docs/benchmarks/gallery.md says how to read it.
 """
 
 from __future__ import annotations
@@ -33,11 +26,16 @@ from typing import Any
 import numpy as np
 
 from bench.core.inputs import ROOT
-from bench.core.reporting import MIB, fmt, machine_description, markdown_table, write_section
-from bench.gallery_engines import bench_exact, bench_faiss, bench_milvus, milvus_missing
-from bench.gallery_measure import CONCURRENCY, Row, Truth
-
-__all__ = ["Row", "benchmark_case", "document", "main", "result_table", "synthetic_faces"]
+from bench.core.reporting import MIB, fmt, machine_description, table, write_section
+from bench.gallery_engines import (
+    CONCURRENCY,
+    Row,
+    Truth,
+    bench_exact,
+    bench_faiss,
+    bench_milvus,
+    milvus_missing,
+)
 from gallery.engines.index import Vectors, genuine_probes
 from gallery.engines.measures import exact_search
 
@@ -146,60 +144,37 @@ def benchmark_case(size: int, dimension: int, queries: int = 200,
 # --- report ----------------------------------------------------------------------------------------
 
 
-COLUMNS = ("faces", "dim", "index", "build s", "p50 ms", "p99 ms",
-           *(f"q/s @{c}" for c in CONCURRENCY), "recall@10 (lower bound)", "agreement genuine / impostor",
-           "true match@10", "MiB / 1M faces", "load s")
+def _agreement(r: Row) -> str:
+    if r.genuine_agreement is None:
+        return "—"
+    return f"{r.genuine_agreement:.2%} / {fmt(100 * (r.impostor_agreement or 0), 2)}%"
+
+
+COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("faces", "{0.size:,}"), ("dim", "{0.dimension}"), ("index", "{0.label}"),
+    ("build s", lambda r: fmt(r.build_s, 1)), ("p50 ms", lambda r: fmt(r.p50_ms, 2)),
+    ("p99 ms", lambda r: fmt(r.p99_ms, 2)),
+    *((f"q/s @{c}", lambda r, c=c: fmt(r.qps.get(str(c)), 0)) for c in CONCURRENCY),
+    ("recall@10 (lower bound)", lambda r: "—" if r.recall_at_10 is None
+     else f"{r.recall_at_10:.4f} ({fmt(r.recall_bound, 4)})"),
+    ("agreement genuine / impostor", _agreement), ("true match@10", lambda r: fmt(r.true_match_at_10, 4)),
+    ("MiB / 1M faces", lambda r: fmt(r.memory_bytes and r.memory_bytes / r.size * 1e6 / MIB, 0)),
+    ("load s", lambda r: fmt(r.load_s, 2)))
+DATA = (("faces", "{0:,}"), ("dim", "{1}"), ("genuine cos (mean)", "{2.genuine_cos:.3f}"),
+        ("impostor cos (mean ± sd)", "{2.impostor_cos:+.3f} ± {2.impostor_sd:.3f}"),
+        ("probe: best impostor (mean)", "{2.probe_best_impostor:.3f}"),
+        ("probes whose best impostor beats the true match", "{2.probe_impostor_wins:.1%}"))
 
 
 def result_table(rows: list[Row]) -> str:
-    lines = []
-    for r in rows:
-        per_million = "—" if r.memory_bytes is None else f"{r.memory_bytes / r.size * 1e6 / MIB:,.0f}"
-        recall = "—" if r.recall_at_10 is None else f"{r.recall_at_10:.4f} ({fmt(r.recall_bound, 4)})"
-        agreement = ("—" if r.genuine_agreement is None
-                     else f"{r.genuine_agreement:.2%} / {fmt(100 * (r.impostor_agreement or 0), 2)}%")
-        lines.append((f"{r.size:,}", str(r.dimension), r.label, fmt(r.build_s, 1), fmt(r.p50_ms, 2),
-                      fmt(r.p99_ms, 2), *(fmt(r.qps.get(str(c)), 0) for c in CONCURRENCY), recall,
-                      agreement, fmt(r.true_match_at_10, 4), per_million, fmt(r.load_s, 2)))
-    return markdown_table(COLUMNS, lines)
-
-
-def data_table(cases: list[tuple[int, int, DataStats]]) -> str:
-    columns = ("faces", "dim", "genuine cos (mean)", "impostor cos (mean ± sd)",
-               "probe: best impostor (mean)", "probes whose best impostor beats the true match")
-    lines = [(f"{n:,}", str(d), f"{s.genuine_cos:.3f}", f"{s.impostor_cos:+.3f} ± {s.impostor_sd:.3f}",
-              f"{s.probe_best_impostor:.3f}", f"{s.probe_impostor_wins:.1%}") for n, d, s in cases]
-    return markdown_table(columns, lines)
-
-
-HOW_TO_READ = """\
-**How to read this.** Each gallery holds N synthetic faces (N/10 identities, 10 faces each). *Exact* is a
-flat inner-product scan. Each candidate is built as `FaceIndex.build` builds it above `exact_max`: its
-search effort (re-rank depth for `pq4fs`, 4-bit PQ fast-scan codes, and `sq8`, 8-bit scalar-quantized
-codes, both re-ranked exactly from the stored float32 vectors) raised until, on the collection's own
-probes, the recall@10 lower bound reaches 0.99 and the decision agreement 100 % (genuine) and 99.9 %
-(impostor); *refused* when no effort does (the collection would stay exact). Its *build s* includes that
-tuning. The figures here are measured on other probes: genuine ones (a new photo of an enrolled face,
-cosine 0.75 to its source) and impostors (faces of people who are not enrolled). *Agreement* is the share
-of probes decided as exact search decides them at SFace's threshold 0.363: the same identity above it,
-or *unknown*. *recall@10 (lower bound)* is less two standard errors. *p50/p99* is one query per call,
-sequential; *q/s @c* is c threads each sending one query per request through the gallery's request
-batcher (concurrent requests share one engine call). *MiB / 1M faces* is the resident memory the index
-keeps (for Milvus-lite, the server process's growth); *load s* reads a snapshot back (Milvus-lite: a
-server restart until the first search answers). Milvus-lite is the Milvus server in one process, with
-its FLAT (exact) index, driven through the gallery's `MilvusEngine` over gRPC.
-"""
+    return table(rows, COLUMNS)
 
 
 def document(command: str, rows: list[Row], stats: list[tuple[int, int, DataStats]], machine: str) -> str:
     return "\n\n".join([
         "## Gallery search: exact, approximate candidates and Milvus-lite (`bench/gallery.py`)",
         f"Command: `{command}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \nMachine: {machine}",
-        result_table(rows),
-        "Synthetic data (what the queries face):",
-        data_table(stats),
-        HOW_TO_READ.strip(),
-    ])
+        result_table(rows), "Synthetic data (what the queries face):", table(stats, DATA)])
 
 
 def main(argv: list[str] | None = None) -> int:
