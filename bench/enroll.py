@@ -4,14 +4,11 @@
     python -m bench.enroll --images 60 --database-url postgresql+psycopg://postgres@127.0.0.1/bench
     python -m bench.enroll --url 127.0.0.1:8001  # a running Triton
 
-Images: N distinct JPEGs made from obama.jpg, obama2.jpg, obama3.jpg and biden.jpg (a random crop
-around the face, rescaling, a small colour shift, a random JPEG quality), each checked to hold exactly
-one face; identities of --per-identity images. The raw run sends the same bytes through
-``face_pipeline`` with the same number of requests in flight (asking for crops, as the importer does);
-the import runs ``recognition.importer.Importer`` into a fresh SQLite database (and, with --database-url,
-a fresh collection there, deleted afterwards). The ratio import / raw is what the importer costs on
-top of inference: reading and hashing files, the quality gate, PNG crops, the database writes.
-Target: >= 0.9 (the store must not be the bottleneck). Writes a Markdown section to --out.
+Distinct one-face JPEGs made from the four test portraits (a random crop, rescale, colour shift and JPEG
+quality). The raw run sends them through ``face_pipeline`` with as many requests in flight as the import,
+``recognition.importer.Importer``, into a fresh SQLite database (and with --database-url a fresh
+collection there, deleted afterwards). Import / raw is what the importer costs on top of inference
+(target: >= 0.9). Writes a Markdown section to --out; docs/benchmarks/gallery.md says how to read it.
 """
 
 from __future__ import annotations
@@ -37,8 +34,9 @@ import cv2
 import numpy as np
 from numpy.typing import NDArray
 
+from bench.core import reporting
 from bench.core.inputs import ARTIFACTS, REPOSITORY, ROOT, photo_paths
-from bench.core.reporting import machine_description, markdown_table, write_section
+from bench.core.reporting import machine_description, write_section
 from bench.core.triton import triton_url
 from facecore.client import AsyncPipelineClient
 from facecore.spec import ModelSpec
@@ -245,31 +243,19 @@ def summary(rounds: list[list[Run]]) -> list[dict[str, Any]]:
     return rows
 
 
+COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("path", "{0[path]}"), ("database", "{0[database]}"), ("images", "{0[images]}"), ("faces", "{0[faces]}"),
+    ("seconds (median)", "{0[seconds]:.2f}"), ("faces/s", "{0[faces_per_s]:.1f}"),
+    ("vs raw", "{0[vs_raw]:.2f}"),
+    ("faces/s, every round", lambda r: " / ".join(f"{v:.1f}" for v in r["all_faces_per_s"])),
+    ("DB writes s (share)", lambda r: f"{r['write_seconds']:.2f} ({r['write_seconds'] / r['seconds']:.0%})"
+     if r["path"] == "import" else "—"),
+    ("client CPU ms/image", lambda r: f"{1000 * r['cpu_seconds'] / r['images']:.1f}"),
+    ("statuses", lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())) or "—"))
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    columns = ("path", "database", "images", "faces", "seconds (median)", "faces/s", "vs raw",
-               "faces/s, every round", "DB writes s (share)", "client CPU ms/image", "statuses")
-    lines = []
-    for r in rows:
-        share = r["write_seconds"] / r["seconds"]
-        writes = f"{r['write_seconds']:.2f} ({share:.0%})" if r["path"] == "import" else "—"
-        lines.append((r["path"], r["database"], str(r["images"]), str(r["faces"]), f"{r['seconds']:.2f}",
-                      f"{r['faces_per_s']:.1f}", f"{r['vs_raw']:.2f}",
-                      " / ".join(f"{v:.1f}" for v in r["all_faces_per_s"]), writes,
-                      f"{1000 * r['cpu_seconds'] / r['images']:.1f}",
-                      ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())) or "—"))
-    return markdown_table(columns, lines)
-
-
-HOW_TO_READ = """\
-**How to read this.** *face_pipeline (raw)* sends every image once through Triton with the same number of
-requests in flight as the importer; *import* is `recognition.importer.Importer` doing the whole job (read and
-hash the file, the same inference, the quality gate, PNG crops, one transaction per identity). *vs raw*
-is the import's throughput divided by the raw one (target >= 0.9). *DB writes* is the summed wall time of
-the store's `add_faces` calls (they run in threads, overlapped with inference: a share near 100 % means
-the database is the bottleneck). *Client CPU* is this process's CPU time per image: on a machine where
-Triton and the client share the same few cores it is taken from inference, so it explains most of a
-ratio below 1 that the database time does not.
-"""
+    return reporting.table(rows, COLUMNS)
 
 
 def document(command: str, triton: str, concurrency: int, per_identity: int,
@@ -280,7 +266,6 @@ def document(command: str, triton: str, concurrency: int, per_identity: int,
         f"Machine: {machine_description()}  \nTriton: {triton}; {concurrency} requests in flight; "
         f"{per_identity} images per identity",
         table(rows),
-        HOW_TO_READ.strip(),
     ])
 
 
