@@ -2,30 +2,15 @@
 
     python -m bench.gateway                  # ~4 minutes on 2 cores, most of it the gRPC calls
     python -m bench.gateway --parts identify --rounds 6 --triton-url 127.0.0.1:8001
-
-`python -m bench` reports the gateway process's CPU per identify under load, on cores it shares with
-Triton: a figure that moves with the machine's load by more than most changes to the gateway. This
-measures the two parts of it that the gateway's code decides, in this one process, alternating rounds:
-
-1. **identify through the gateway's ASGI app**, the real one (middleware, key check, admission,
-   multipart, the FAISS search of a real SQLite gallery holding the enrolled photo, the JSON answer),
-   called straight through ASGI by ``--concurrency`` tasks, with the ``face_pipeline`` client replaced
-   by one that returns what ``face_pipeline`` answered for the photo (recorded from Triton at the start):
-   everything but the gRPC call and uvicorn's HTTP parsing and socket work.
-2. **the gRPC ``face_pipeline`` call, client side**, the same photo at the same concurrency: the gateway's
-   client (``AsyncPipelineClient``: the request built and the response read by ``facecore.client``)
-   beside tritonclient's asyncio ``infer`` with its ``InferInput`` / ``InferResult``.
-
-CPU is this process's (all its threads, gRPC's included) per request; each figure is the median over
-rounds. Writes a Markdown section to ``--out``.
-
     python -m bench.gateway --trees /tmp/before .   # ~3 minutes: two checkouts' gateways side by side
 
-``--trees`` measures what ``python -m bench`` reports instead, the whole gateway process (uvicorn, the app,
-the gRPC client, its threads) per REST identify, for the gateway of each source tree given (a checkout:
-``git worktree add /tmp/before <commit>``), all served at once on one Triton, the load alternating between
-them round by round in turn, so that a change to the gateway is measured against its base under the same
-machine load; with the paired difference of each tree from the first, round by round.
+In this one process, alternating rounds: identify through the gateway's real ASGI app (middleware, key,
+multipart, the FAISS search of a SQLite gallery, JSON) with ``face_pipeline``'s answer recorded, so
+everything but the gRPC call and uvicorn; and the gRPC call's client side, the gateway's client beside
+tritonclient's asyncio ``infer``. ``--trees`` measures instead the whole gateway process per REST
+identify, as ``python -m bench`` does, of each source tree given (``git worktree add /tmp/before
+<commit>``), all served at once on one Triton, the load alternating between them round by round.
+Writes a Markdown section to ``--out``.
 """
 
 from __future__ import annotations
@@ -34,7 +19,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import secrets
 import statistics
 import subprocess
@@ -42,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +39,10 @@ from starlette.types import Message
 
 from bench.core.inputs import ROOT, load_photos
 from bench.core.load import MultipartSender, multipart_body, run_load
-from bench.core.processes import Watched, free_port, start_server
-from bench.core.reporting import fmt, machine_description, markdown_table, write_section
+from bench.core.processes import Watched
+from bench.core.reporting import fmt, machine_description, table, write_section
 from bench.core.triton import triton_url
-from bench.stack import COLLECTION, ENROLLED, MAX_FACES, setup_collection
+from bench.stack import COLLECTION, ENROLLED, MAX_FACES, setup_collection, start_gateway
 from facecore.client import AsyncPipelineClient
 from facecore.contract import OUTPUT_NAMES, PIPELINE_MODEL, Faces, Input
 from facecore.settings import GatewaySettings
@@ -118,17 +102,8 @@ class RecordedPipeline:
         return self.spec
 
 
-@dataclass
-class Runs:
-    """CPU ms per request of each variant, one value per round."""
-
-    cpu_ms: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.cpu_ms.setdefault(name, []).append(value)
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.cpu_ms[name])
+#: Each variant measured -> its CPU ms per request, one value per round.
+Runs = dict[str, list[float]]
 
 
 async def cpu_per_call(call: Callable[[], Awaitable[None]], requests: int, concurrency: int) -> float:
@@ -146,7 +121,7 @@ async def cpu_per_call(call: Callable[[], Awaitable[None]], requests: int, concu
 
 async def measure(url: str, requests: int, rounds: int, concurrency: int, parts: Sequence[str]) -> Runs:
     photos = load_photos([ENROLLED, PROBE])
-    runs = Runs()
+    runs: Runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as folder:
         admin = secrets.token_urlsafe(24)
         settings = GatewaySettings(security={"admin_key": admin}, triton={"url": url},
@@ -186,8 +161,8 @@ async def measure(url: str, requests: int, rounds: int, concurrency: int, parts:
             variants |= {OURS: ours, TRITONCLIENT: tritonclients} if "grpc" in parts else {}
             for number in range(rounds):
                 for name, call in variants.items():
-                    runs.add(name, await cpu_per_call(call, requests, concurrency))
-                    log.info("round %d %s: %.3f ms CPU per request", number + 1, name, runs.cpu_ms[name][-1])
+                    runs.setdefault(name, []).append(await cpu_per_call(call, requests, concurrency))
+                    log.info("round %d %s: %.3f ms CPU per request", number + 1, name, runs[name][-1])
             await client.close()
             await reference.close()
     return runs
@@ -215,29 +190,20 @@ TRITONCLIENT = "gRPC face_pipeline call: tritonclient's aio infer, InferInput / 
 
 
 def report(runs: Runs, command: str, concurrency: int) -> str:
-    rows = [[name, fmt(runs.median(name), 3), ", ".join(fmt(v, 3) for v in runs.cpu_ms[name])]
-            for name in (IDENTIFY, OURS, TRITONCLIENT) if name in runs.cpu_ms]
-    grpc = OURS in runs.cpu_ms
-    saving = runs.median(TRITONCLIENT) - runs.median(OURS) if grpc else 0.0
-    parts = [
-        "## The gateway's own CPU per request (`bench/gateway.py`)",
-        f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \n"
-        f"Machine: {machine_description(serving=True)}",
-        f"Photo {PROBE} (1 face), a collection holding {ENROLLED}, concurrency {concurrency}; CPU of the "
-        "measuring process per request, median over rounds (each round's value after it).",
-        markdown_table(["measured", "CPU ms per request", "rounds"], rows),
-    ]
-    if grpc:
-        parts.append(f"The gateway's client spends {fmt(saving, 3)} ms less CPU per call than tritonclient's "
-                     "wrappers around the same messages (medians).")
-    parts.append("The identify row and the gateway's client together are the gateway's CPU per identify less "
-                 "uvicorn's HTTP and socket work, which `python -m bench` includes.")
-    return "\n\n".join(parts)
+    rows = [(name, runs[name]) for name in (IDENTIFY, OURS, TRITONCLIENT) if name in runs]
+    return "\n\n".join([
+        "## The gateway's own CPU per request (`bench/gateway.py`)", _header(command),
+        f"Photo {PROBE} (1 face), a collection holding {ENROLLED}, concurrency {concurrency}; CPU ms of the "
+        "measuring process per request, median over rounds.", table(rows, ROUNDS)])
 
 
-#: Starts ``service`` (its ``__main__``) from the source tree given first on the command line.
-_BOOT = ("import runpy, sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); sys.argv[0] = 'service'; "
-         "runpy.run_module('service', run_name='__main__', alter_sys=True)")
+ROUNDS = (("measured", "{0}"), ("CPU ms per request (median)", lambda x: fmt(statistics.median(x[1]), 3)),
+          ("rounds", lambda x: ", ".join(fmt(v, 3) for v in x[1])))
+
+
+def _header(command: str) -> str:
+    return (f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \n"
+            f"Machine: {machine_description(serving=True)}")
 
 
 def _commit(tree: Path) -> str:
@@ -260,17 +226,10 @@ def served_trees(url: str, trees: Sequence[Path], rounds: int, seconds: float, c
     with tempfile.TemporaryDirectory(prefix="bench-gateway-trees-") as folder:
         try:
             for number, tree in enumerate(trees):
-                label, work = f"{number + 1}. {tree} ({_commit(tree)})", Path(folder) / str(number)
-                admin, port = secrets.token_urlsafe(24), free_port()
-                env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": admin,
-                       "FACEREC_DATABASE__URL": f"sqlite:///{work / 'gallery.db'}",
-                       "FACEREC_GALLERY__SNAPSHOT_DIR": str(work / "index"), "FACEREC_LOG_LEVEL": "WARNING"}
-                work.mkdir()
-                base = f"http://127.0.0.1:{port}"
-                command = [sys.executable, "-c", _BOOT, str(tree.resolve()), "--triton-url", url, "--host",
-                           "127.0.0.1", "--port", str(port), "--admin-key-file", str(work / "admin_key")]
-                process = start_server(command, env, log_dir / f"bench-gateway-tree{number}.log",
-                                       f"{base}/health/ready")
+                (work := Path(folder) / str(number)).mkdir()
+                log_file = log_dir / f"bench-gateway-tree{number}.log"
+                process, base, admin = start_gateway(url, work, log_file, tree)
+                label = f"{number + 1}. {tree} ({_commit(tree)})"
                 served[label] = (process, base, "")  # stopped below should the set-up fail
                 served[label] = (process, base, setup_collection(base, admin, photos[ENROLLED]))
             for number in range(rounds):
@@ -287,8 +246,8 @@ def served_trees(url: str, trees: Sequence[Path], rounds: int, seconds: float, c
                     if row.errors:
                         raise RuntimeError(f"{label}: {row.errors} of {row.requests} requests failed")
                     cpu.setdefault(label, []).append(row.cpu_ms["gateway"])
-                    log.info("round %d %s: %.3f ms gateway CPU per identify, %.1f images/s", number + 1,
-                             label, row.cpu_ms["gateway"], row.throughput)
+                    log.info("round %d %s: %.3f ms gateway CPU per identify", number + 1, label,
+                             row.cpu_ms["gateway"])
         finally:
             for process, _, _ in served.values():
                 stop_process(process)
@@ -297,25 +256,16 @@ def served_trees(url: str, trees: Sequence[Path], rounds: int, seconds: float, c
 
 def trees_report(cpu: dict[str, list[float]], command: str, concurrency: int, seconds: float) -> str:
     first = next(iter(cpu.values()))
-
-    def paired(values: list[float]) -> str:
-        if values is first:
-            return "—"
-        return fmt(statistics.median(v - f for v, f in zip(values, first, strict=True)), 3)
-
-    rows = [[label, fmt(statistics.median(values), 3), paired(values), ", ".join(fmt(v, 3) for v in values)]
-            for label, values in cpu.items()]
+    rows = [(label, values, "—" if values is first else fmt(statistics.median(
+        v - f for v, f in zip(values, first, strict=True)), 3)) for label, values in cpu.items()]
+    columns = (("source tree", "{0}"), ("gateway CPU ms per identify (median)",
+                                        lambda x: fmt(statistics.median(x[1]), 3)),
+               ("paired difference from the first (median)", "{2}"), ROUNDS[2])
     return "\n\n".join([
-        "## The gateway of several source trees side by side (`bench/gateway.py --trees`)",
-        f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \n"
-        f"Machine: {machine_description(serving=True)}",
+        "## The gateway of several source trees side by side (`bench/gateway.py --trees`)", _header(command),
         f"REST identify of {PROBE} (1 face) against a collection holding {ENROLLED}, concurrency "
-        f"{concurrency}, {fmt(seconds, 0)} s per round and tree, every tree's gateway served at once on one "
-        "Triton and the load alternating between them; CPU of each gateway process (all its threads) per "
-        "request, as `python -m bench` reports it.",
-        markdown_table(["source tree", "gateway CPU ms per identify (median)",
-                        "paired difference from the first (median)", "rounds"], rows),
-    ])
+        f"{concurrency}, {fmt(seconds, 0)} s per round and tree; CPU ms of each gateway process (all its "
+        "threads) per request, as `python -m bench` reports it.", table(rows, columns)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,6 @@ def test_the_gateway_benchmark_measures_identify_and_both_grpc_clients(triton: T
         row = next(line for line in text.splitlines() if line.startswith(f"| {name} |"))
         median, rounds = row.split(" | ")[1:3]
         assert float(median) > 0 and len(rounds.split(", ")) == 2, row
-    assert "less CPU per call" in text
     assert main([*argv[:-2], "--parts", "identify", "--out", str(out)]) == 0
     assert f"| {OURS} |" not in out.read_text() and f"| {IDENTIFY} |" in out.read_text()
     with pytest.raises(SystemExit):
