@@ -34,14 +34,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from bench.core.inputs import ARTIFACTS, load_photos
+from bench.core.inputs import load_photos
 from bench.core.load import closed_loop
 from bench.core.processes import process_tree, resident_bytes
 from bench.core.reporting import machine_description, markdown_table
-from bench.core.triton import bundled_triton
-from export.defaults import prepare_default_models
+from bench.core.triton import served_tuning
 from export.profiles import Batching, Profile, ProfileTuning
-from export.repository import RepositoryPlan, write_repository
 from facecore.client import PipelineClient
 from service.launcher import TritonServer
 
@@ -90,16 +88,13 @@ class Result:
 def compare(candidates: dict[str, ProfileTuning], photos: dict[str, bytes], concurrency: int, seconds: float,
             rounds: int, single_requests: int, work: Path) -> list[Result]:
     """Every candidate served at once, measured with the load alternating between them."""
-    models = prepare_default_models(ARTIFACTS)
     payloads = list(photos.values())
     with ExitStack() as stack:
         servers: dict[str, TritonServer] = {}
         clients: dict[str, PipelineClient] = {}
         for index, (name, tuning) in enumerate(candidates.items()):
-            repository = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=work))) / "cpu"
-            write_repository(RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=tuning),
-                             repository, models.detector_file, models.embedder_file)
-            servers[name] = stack.enter_context(bundled_triton(repository, work / f"compare-{index}.log"))
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=work)))
+            servers[name] = stack.enter_context(served_tuning(tuning, folder, work / f"compare-{index}.log"))
             clients[name] = PipelineClient(servers[name].grpc_url, timeout_s=300)
         for client in clients.values():
             for payload in payloads * 3:

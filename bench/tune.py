@@ -34,8 +34,8 @@ from pathlib import Path
 from bench.core.inputs import ARTIFACTS, REPOSITORY, load_photos
 from bench.core.load import closed_loop
 from bench.core.processes import RssSampler, Watched
-from bench.core.reporting import machine_description
-from bench.core.triton import bundled_triton
+from bench.core.reporting import machine_description, table
+from bench.core.triton import served_tuning
 from export.defaults import prepare_default_models
 from export.profiles import TUNING_DIR, Profile, ProfileTuning
 from export.repository import RepositoryPlan, write_repository
@@ -132,24 +132,20 @@ DIMENSIONS: dict[str, dict[str, Mutation]] = {
 
 
 def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: float, work: Path) -> Trial:
-    models = prepare_default_models(ARTIFACTS)
-    with tempfile.TemporaryDirectory(dir=work) as folder:
-        repository = Path(folder) / "cpu"
-        plan = RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=tuning)
-        write_repository(plan, repository, models.detector_file, models.embedder_file)
-        with bundled_triton(repository, work / "tune-tritonserver.log") as server:
-            client = PipelineClient(server.grpc_url)
-            counter = {"i": 0}
+    with tempfile.TemporaryDirectory(dir=work) as folder, \
+            served_tuning(tuning, Path(folder), work / "tune-tritonserver.log") as server:
+        client = PipelineClient(server.grpc_url)
+        counter = {"i": 0}
 
-            def send() -> object:
-                counter["i"] += 1
-                return client.infer(payloads[counter["i"] % len(payloads)])
+        def send() -> object:
+            counter["i"] += 1
+            return client.infer(payloads[counter["i"] % len(payloads)])
 
-            single = closed_loop(send, 1, seconds / 2)
-            loaded = closed_loop(send, 8, seconds)
-            with RssSampler([Watched("triton", server.pid or 0)], 0.5) as memory:
-                burst = closed_loop(send, 16, seconds / 2)
-            client.close()
+        single = closed_loop(send, 1, seconds / 2)
+        loaded = closed_loop(send, 8, seconds)
+        with RssSampler([Watched("triton", server.pid or 0)], 0.5) as memory:
+            burst = closed_loop(send, 16, seconds / 2)
+        client.close()
     peak = max((sample["triton"] for _, sample in memory.samples), default=0) / 2**20
     trial = Trial(name, tuning, single.percentile(50), loaded.percentile(99), loaded.throughput,
                   single.errors + loaded.errors + burst.errors, peak)
@@ -157,15 +153,6 @@ def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: fl
              trial.p50_c1_ms, trial.p99_c8_ms, trial.throughput_c8, trial.rss_mib, trial.errors)
     return trial
 
-
-REPORT_HEADER = """# Serving configuration sweep
-
-Command: `{command}` on {machine}. Photos: obama.jpg, t1.jpg, obama2.jpg, biden.jpg in turn (images/s
-mixes 1- and 6-face photos). Coordinate descent from the recorded default; a change is kept when
-throughput at concurrency 8 improves by more than the margin (or stays within it in at least 15 % less
-memory, or with p50 at concurrency 1 at least 15 % lower in not 15 % more memory) while p99 at
-concurrency 8 stays within the budget and Triton's tree stays within the memory budget at concurrency 16.
-One run on a shared 2-core machine: differences of about 10 % are noise."""
 
 #: Triton's process tree at concurrency 16 stays within this (issue 10's memory target); --memory-mib.
 MEMORY_BUDGET_MIB = 1536.0
@@ -235,14 +222,15 @@ def sweep(start: ProfileTuning, payloads: list[bytes], seconds: float, budget_ms
     return best, trials
 
 
+TRIALS = (("candidate", "{0.name}"), ("p50 @1 (ms)", "{0.p50_c1_ms:.1f}"),
+          ("p99 @8 (ms)", "{0.p99_c8_ms:.1f}"), ("images/s @8", "{0.throughput_c8:.2f}"),
+          ("MiB @16", "{0.rss_mib:.0f}"), ("errors", "{0.errors}"))
+
+
 def report(best: Trial, trials: list[Trial], budget_ms: float) -> str:
-    lines = [f"Latency budget: p99 at concurrency 8 <= {budget_ms:.0f} ms; Triton tree memory (PSS) at "
-             f"concurrency 16 <= {MEMORY_BUDGET_MIB:.0f} MiB. Chosen: **{best.name}**.", "",
-             "| candidate | p50 @1 (ms) | p99 @8 (ms) | images/s @8 | MiB @16 | errors |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {t.name} | {t.p50_c1_ms:.1f} | {t.p99_c8_ms:.1f} | {t.throughput_c8:.2f} | {t.rss_mib:.0f} "
-              f"| {t.errors} |" for t in trials]
-    return "\n".join(lines)
+    return (f"Latency budget: p99 at concurrency 8 <= {budget_ms:.0f} ms; Triton tree memory (PSS) at "
+            f"concurrency 16 <= {MEMORY_BUDGET_MIB:.0f} MiB. Chosen: **{best.name}**.\n\n"
+            f"{table(trials, TRIALS)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     command = shlex.join(["python", "-m", "bench.tune", *(argv if argv is not None else sys.argv[1:])])
     if args.report:
-        args.report.write_text(f"{REPORT_HEADER.format(command=command, machine=machine_description())}\n\n"
-                               f"{text}\n")
+        args.report.write_text(f"# Serving configuration sweep\n\nCommand: `{command}` on "
+                               f"{machine_description()}; docs/benchmarks/tuning.md says how to read it."
+                               f"\n\n{text}\n")
     if not args.dry_run:
         TUNING_DIR.mkdir(parents=True, exist_ok=True)
         recorded = json.loads(best.tuning.to_json())

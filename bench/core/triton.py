@@ -1,4 +1,5 @@
-"""The bundled Triton for a benchmark, started through ``service.launcher``, and its statistics per model."""
+"""The bundled Triton for a benchmark, started through ``service.launcher`` (on a repository written for
+a tuning, for the tuning benchmarks), and its statistics per model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.core.inputs import ARTIFACTS, REPOSITORY
+from export.defaults import prepare_default_models
+from export.profiles import Profile, ProfileTuning
+from export.repository import RepositoryPlan, write_repository
 from service.launcher import TritonPorts, TritonServer
 
 #: Where a benchmark's tritonserver writes its log unless it says otherwise.
@@ -17,6 +21,18 @@ TRITON_LOG = ARTIFACTS / "bench-tritonserver.log"
 def bundled_triton(repository: Path = REPOSITORY, log_file: Path = TRITON_LOG) -> TritonServer:
     """A ``TritonServer`` on free ports (start it, or use it as a context manager)."""
     return TritonServer(repository, TritonPorts.free(), log_file=log_file)
+
+
+@contextmanager
+def served_tuning(tuning: ProfileTuning, folder: Path, log_file: Path) -> Iterator[TritonServer]:
+    """A CPU model repository written for ``tuning`` into ``folder`` (``bench.tune``'s and
+    ``bench.compare``'s candidates), served by the bundled Triton for the block."""
+    models = prepare_default_models(ARTIFACTS)
+    repository = folder / "cpu"
+    write_repository(RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=tuning), repository,
+                     models.detector_file, models.embedder_file)
+    with bundled_triton(repository, log_file) as server:
+        yield server
 
 
 @contextmanager
