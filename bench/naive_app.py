@@ -1,34 +1,14 @@
-"""The naive baseline: one FastAPI app that does everything per request, in its own process.
+"""The naive baseline: one FastAPI app that decodes, detects, aligns and embeds each request's image in its
+own process, with ``facecore``'s code and no Triton, no batching across requests, no gallery. ``POST
+/embed`` (multipart field ``image``) is a plain ``def``: FastAPI runs it in its thread pool, each request
+calling its runtime with batch 1. The approach Triton exists to beat.
 
-``POST /embed`` (multipart field ``image``) decodes, detects, aligns and embeds that one image with the
-same networks and the same pre/post-processing code as ``face_pipeline`` (``facecore``), and returns
-the faces with their embeddings. No Triton, no batching across requests, no gallery. The endpoint is a
-plain ``def``: FastAPI runs it in its thread pool, so concurrent requests run side by side, each calling
-its runtime with batch 1. This is the approach Triton exists to beat.
-
-Three variants (``NAIVE_VARIANT``):
-
-- ``served``: exactly what ``face_pipeline`` serves, work reductions included (detector input sized to
-  each image, reduced JPEG decode through TurboJPEG, the uint8 detector, SFace with its PReLU rewritten,
-  the served runtime and precisions): the same work as the stack, so comparing with it measures serving
-  overhead;
-- ``served-onnxruntime``: the same files and settings on ONNX Runtime f32;
-- ``plain``: the obvious deployment of the same networks: ONNX Runtime f32, every image letterboxed to the
-  fixed detector input (640x640, ``dynamic_input=False``), decoded at full size by OpenCV's ``imdecode``,
-  the original float NCHW detector, and an embedder file that still has its PRelu nodes (the app refuses
-  to start otherwise).
-
-Configuration (environment; ``bench/naive.py`` sets it and runs the app with uvicorn):
-
-- ``NAIVE_SETTINGS``: JSON of ``PipelineSettings.to_parameters()`` (the parameters face_pipeline serves)
-- ``NAIVE_DETECTOR_ONNX`` / ``NAIVE_EMBEDDER_ONNX``: the ONNX files
-- ``NAIVE_VARIANT``: ``served`` (default), ``served-onnxruntime`` or ``plain``
-- ``NAIVE_DETECTOR_RUNTIME`` / ``NAIVE_EMBEDDER_RUNTIME``: ``<runtime>:<precision>``, e.g. ``openvino:bf16``
-  (default ``onnxruntime:f32``)
-- ``NAIVE_INTRA_OP_THREADS``: intra-op threads per network (0: one per core)
-
-    NAIVE_SETTINGS=... NAIVE_DETECTOR_ONNX=... NAIVE_EMBEDDER_ONNX=... NAIVE_VARIANT=plain \\
-        python -m uvicorn bench.naive_app:app --port 8090
+Configured by the environment (``bench/naive.py`` sets it and runs the app with uvicorn):
+``NAIVE_SETTINGS`` (JSON of ``PipelineSettings.to_parameters()``), ``NAIVE_DETECTOR_ONNX`` /
+``NAIVE_EMBEDDER_ONNX``, ``NAIVE_VARIANT`` (``served``, ``served-onnxruntime`` or ``plain``: see
+``bench/naive.py``; plain refuses an embedder without PRelu nodes), ``NAIVE_DETECTOR_RUNTIME`` /
+``NAIVE_EMBEDDER_RUNTIME`` (``openvino:bf16``; default ``onnxruntime:f32``) and
+``NAIVE_INTRA_OP_THREADS`` (0: one per core).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The plain baseline's models: what a straightforward deployment of the same two networks runs.
 
-``face_pipeline`` (the *served* settings) does less work than the obvious approach, without changing its
-decisions: the detector input follows each image's aspect ratio (``dynamic_input``: fewer pixels per
-image than a 640x640 letterbox), large JPEGs are decoded at a reduced size (``decode_min_side``), the
-detector takes uint8 NHWC pixels (normalization inside the graph), SFace's PReLU is rewritten as
-``Relu(x) - a * Relu(-x)`` (``export.onnx_tools.rewrite_prelu``), and both networks run on OpenVINO at the
-precisions the export's check accepted. The *plain* variant undoes all of it, as users build it: ONNX
-Runtime f32, the original float NCHW detector file
-(``artifacts/onnx/retinaface_mnet025.fp32.bdyn.hwdyn.onnx``, fed through ``to_tensor``), the fixed
-640x640 letterbox (``dynamic_input=False``, full-size JPEG decode) and SFace converted from the pinned
-int8 file with ``fold_weight_dequantization`` + ``make_batch_dynamic`` only
-(``export.sface.convert_plain_sface`` -> ``artifacts/onnx/sface_2021dec.fp32.bdyn.112x112.prelu.onnx``,
-built once and reused).
-
-``prepare`` builds (or reuses) that file and proves both networks are the served ones: the plain
-embedder's embeddings equal the served embedder's within ``TOLERANCE`` (``export.sface.check_same_network``)
-on every face the served detector finds in the benchmark's photos (and their mirror images), and the
-original detector's outputs equal the served uint8 detector's within ``DETECTOR_TOLERANCE`` on the
-photos letterboxed to 640x640 (both on ONNX Runtime).
+``face_pipeline`` does less work than the obvious approach without changing its decisions (the detector
+input sized to each image, reduced JPEG decode, the uint8 detector, SFace's PReLU rewritten, OpenVINO).
+The *plain* variant undoes all of it: ONNX Runtime f32, the original float NCHW detector fed through
+``to_tensor``, a fixed 640x640 letterbox, full-size decode, and SFace converted from the pinned int8 file
+without the PReLU rewrite (``export.sface.convert_plain_sface``, built once under ``artifacts/onnx``).
+``prepare`` proves both are the served networks: the same embeddings within ``TOLERANCE`` on every face
+the served detector finds (and their mirror images), the same detector outputs within
+``DETECTOR_TOLERANCE`` on the photos letterboxed to 640x640.
 """
 
 from __future__ import annotations
