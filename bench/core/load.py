@@ -36,11 +36,6 @@ class LoadResult:
     def percentile(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms.size else float("nan")
 
-    def row(self) -> dict[str, float | int]:
-        return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
-                "throughput_per_s": round(self.throughput, 2), "p50_ms": round(self.percentile(50), 1),
-                "p90_ms": round(self.percentile(90), 1), "p99_ms": round(self.percentile(99), 1)}
-
 
 def closed_loop(send: Callable[[], object], concurrency: int, seconds: float, warmup: int = 2) -> LoadResult:
     """Run ``send`` from ``concurrency`` threads for ``seconds``; each thread warms up first."""
