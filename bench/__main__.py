@@ -15,9 +15,9 @@ Its parts, in this order (``--skip`` leaves some out):
 - alone again: the ceiling's second pass (each row keeps the better of its two), the gallery
   (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
 
-The targets, ratios and tables go to ``<out>/README.md`` (between marker comments), with the plots and
-``results.json``; the gallery and enrollment sections to ``<out>/gallery.md``. A part that fails is
-reported with its error; the others still run (exit code 1).
+The targets, ratios and tables go to ``<out>/README.md`` (between marker comments), with the plots; the
+raw numbers to ``<out>/runs/results.json``; the gallery and enrollment sections to ``<out>/gallery.md``.
+A part that fails is reported with its error; the others still run (exit code 1).
 """
 
 from __future__ import annotations

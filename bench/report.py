@@ -1,8 +1,8 @@
 """The serving report of ``python -m bench``: the targets and ratios, evaluated from the run's ``Results``
 (``bench/results.py``), and every part's figures, as Markdown tables between the markers of
-``<out>/README.md``; the plots and ``results.json`` (the raw numbers) beside it.
+``<out>/README.md``; the plots beside it, the raw numbers in ``<out>/runs/results.json``.
 
-    python -m bench.report --rerender docs/benchmarks   # the section again from its results.json
+    python -m bench.report --rerender docs/benchmarks   # the section again from its runs/results.json
 
 Every comparison is a ratio of two numbers measured in the same run; targets are reported, never
 asserted. What the tables mean is written once, in docs/benchmarks/README.md.
@@ -37,6 +37,8 @@ from bench.stack import GRPC, REST, MemoryRun
 
 SECTION = "bench"
 PLOTS = {"throughput": "throughput.png", "latency": "latency.png", "memory": "memory.png"}
+#: Where a run's raw numbers go in the report folder, beside the dated runs kept for the docs.
+RESULTS = Path("runs") / "results.json"
 
 
 # --- targets and ratios: records, evaluated by one function -----------------------------------------------
@@ -413,16 +415,16 @@ def plots(results: Results, out: Path) -> dict[str, str]:
 
 
 def write(results: Results, out: Path) -> Path:
-    """Plots, ``results.json`` and this run's section of ``out/README.md``; returns the README path."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results.to_json(), indent=2, default=str))
+    """Plots, ``runs/results.json`` and this run's section of ``out/README.md``; returns the README path."""
+    (out / RESULTS).parent.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS).write_text(json.dumps(results.to_json(), indent=2, default=str))
     return _section(out, document(results, plots(results, out)))
 
 
 def rerender(out: Path) -> Path:
-    """The section again from ``out/results.json`` and the plots already there (after a change to this
-    code: no benchmark runs)."""
-    results = Results.from_json(json.loads((out / "results.json").read_text()))
+    """The section again from ``out/runs/results.json`` and the plots already there (after a change to
+    this code: no benchmark runs)."""
+    results = Results.from_json(json.loads((out / RESULTS).read_text()))
     return _section(out, document(results, {k: v for k, v in PLOTS.items() if (out / v).exists()}))
 
 
@@ -435,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rerender", type=Path, required=True, metavar="FOLDER",
-                        help="a report folder with results.json (e.g. docs/benchmarks)")
+                        help="a report folder with runs/results.json (e.g. docs/benchmarks)")
     args = parser.parse_args(argv)
     print(f"rewrote the `{SECTION}` section of {rerender(args.rerender)}")
     return 0

@@ -1,4 +1,4 @@
-"""What one ``python -m bench`` run measured (``Results``, to and from ``results.json``) and the lookups
+"""What one ``python -m bench`` run measured (``Results``, to and from ``runs/results.json``) and the lookups
 its report reads the figures with."""
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from facecore.processing import letterbox
 
 
 def test_the_recorded_report_is_rendered_from_its_results() -> None:
-    """docs/benchmarks/README.md is what the report code writes for docs/benchmarks/results.json. After a
-    change to bench/report.py: `python -m bench.report --rerender docs/benchmarks`."""
+    """docs/benchmarks/README.md is what the report code writes for docs/benchmarks/runs/results.json.
+    After a change to bench/report.py: `python -m bench.report --rerender docs/benchmarks`."""
     folder = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
-    results = Results.from_json(json.loads((folder / "results.json").read_text()))
+    results = Results.from_json(json.loads((folder / report.RESULTS).read_text()))
     assert results.ceiling and results.stack and results.memory
     written = {name: file for name, file in report.PLOTS.items() if (folder / file).exists()}
     recorded = read_section((folder / "README.md").read_text(), report.SECTION).strip()
@@ -210,7 +210,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
             "--gallery-sizes", "1000", "--gallery-dims", "16", "--repository", str(cpu_repository),
             "--out", str(out)]
     code = bench_main.main(argv)
-    results = json.loads((out / "results.json").read_text())
+    results = json.loads((out / report.RESULTS).read_text())
     assert code == 0, results["errors"]
     text = (out / "README.md").read_text()
     body = read_section(text, report.SECTION)
