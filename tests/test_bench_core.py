@@ -32,6 +32,7 @@ from bench.core.reporting import (
     machine_description,
     markdown_table,
     read_section,
+    table,
     write_section,
 )
 from bench.core.triton import bundled_triton, model_statistics, triton_url
@@ -56,6 +57,15 @@ def test_sections_of_the_shared_report_are_replaced_in_place(tmp_path: Path) -> 
 
 def test_markdown_table() -> None:
     assert markdown_table(("a", "b"), [("1", "2")]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_a_table_reads_each_cell_by_template_or_function() -> None:
+    """A column's cell is a ``str.format`` template given the row (a tuple row: its items) or a function."""
+    columns = (("name", "{0[name]}"), ("ms", "{0[ms]:.1f}"), ("twice", lambda r: 2 * r["ms"]))
+    expected = "| name | ms | twice |\n|---|---|---|\n| a | 1.2 | 2.5 |"
+    assert table([{"name": "a", "ms": 1.25}], columns) == expected
+    pairs = (("left", "{0}"), ("right", "{1:>3}"))
+    assert table([("x", 7)], pairs).splitlines()[-1] == "| x |   7 |"
 
 
 def test_one_machine_description_with_or_without_the_serving_stack() -> None:

@@ -69,10 +69,6 @@ def fmt(value: float | None, digits: int) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
-def mib(value: int | None) -> str:
-    return "—" if value is None else f"{value / MIB:,.1f}"
-
-
 # --- the machine ------------------------------------------------------------------------------------
 
 
