@@ -23,7 +23,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gallery.engines.index import FaceIndex, IndexConfig, IndexKind
-from gallery.engines.measures import concurrent_throughput, decision_agreement, recall_at_k, recall_lower_bound
+from gallery.engines.measures import (
+    concurrent_throughput,
+    decision_agreement,
+    recall_at_k,
+    recall_lower_bound,
+)
 from gallery.store.store import CollectionInfo
 
 K = 10

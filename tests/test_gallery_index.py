@@ -785,10 +785,10 @@ def test_a_collection_that_outgrows_exact_search_gets_its_index_chosen_again(
 def test_a_measured_index_is_measured_again_when_its_collection_has_grown(
         store: GalleryStore, engine: Engine, tmp_path: Path) -> None:
     """The re-rank depth (or nprobe) chosen at one size need not reach the targets at a larger one
-    (bench/gallery_growth.py: pq4fs chosen at 100k x 128, grown to 200k, agreed with exact search on
-    99.85 % of impostors, under the 99.9 % target): a measured collection grown past ``reselect_growth``
-    (1.5) times the size it was chosen at is measured again in the background, then not again until it
-    grows as much once more."""
+    (bench/gallery_growth.py at e959f6c: pq4fs chosen at 100k x 128, grown to 200k, agreed with exact
+    search on 99.85 % of impostors, under the 99.9 % target): a measured collection grown past
+    ``reselect_growth`` (1.5) times the size it was chosen at is measured again in the background, then not
+    again until it grows as much once more."""
     rng = np.random.default_rng(33)
     dimension = 32
     store.create_collection("m", MODEL, dimension, 0.5)

@@ -366,7 +366,7 @@ def page_commands() -> dict[tuple[str, str | None], set[str]]:
 def test_every_python_command_has_help_with_its_options() -> None:
     commands = page_commands()
     for needed in [("export", "inspect"), ("export", "pin"), ("export", "repository"),
-                   ("gallery", None), ("recognition", "import"), ("service", None), ("bench.pipeline", None),
+                   ("gallery", None), ("recognition", "import"), ("service", None),
                    ("bench.gallery", None), ("bench.enroll", None)]:
         assert needed in commands, f"no page shows python -m {' '.join(filter(None, needed))} any more"
 
@@ -501,17 +501,6 @@ def test_rollout_and_pin_commands_run(cpu_repository: Path, default_models: Defa
     refused = run([*python, "repository", "--detector", str(detector), "--embedder", str(arcface),
                    "--out", "model_repository/cpu", "--version", "3"], cwd)
     assert refused.returncode != 0 and "needs a new repository" in refused.stderr, explain(refused)
-
-
-@pytest.mark.triton
-def test_bench_pipeline_smoke(triton: TritonServer, photos: dict[str, Path]) -> None:
-    assert lines_of(page_text(DEVELOPMENT), "Benchmarks", r"-m bench\.pipeline --seconds \d+")
-    result = run([sys.executable, "-m", "bench.pipeline", "--url", triton.grpc_url, "--seconds", "1",
-                  "--concurrency", "1"], ROOT, timeout=120)
-    assert result.returncode == 0, explain(result)
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| photo | concurrency | images/s") and len(rows) == 3, result.stdout
-    assert all("| 1 |" in row and row.split("|")[7].strip() == "0" for row in rows[1:]), result.stdout
 
 
 @pytest.mark.triton

@@ -111,9 +111,8 @@ class IndexConfig:
     selection_budget_s: float = 120.0
     #: An index chosen by measurement is measured again (in the background) once its collection holds
     #: this many times the faces it was chosen at (0: never; else more than 1): the re-rank depth or
-    #: nprobe that met the targets at one size need not at a larger one (pq4fs chosen at 100k x 128 with
-    #: a 256-deep re-rank, grown by adds, agreed with exact search on 99.90 % of 2,000 held-out impostor
-    #: probes at 150k, 99.85 % at 200k and 99.80 % at 1M, against a 99.9 % target; bench/gallery_growth.py).
+    #: nprobe that met the targets at one size need not at a larger one (docs/benchmarks/gallery.md, "An
+    #: index chosen at one size, grown by enrollments").
     reselect_growth: float = 1.5
 
 
