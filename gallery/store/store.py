@@ -160,8 +160,7 @@ class GalleryStore:
 
     def create_collection(self, name: str, embedding_model: str, dimension: int, match_threshold: float,
                           keep_crops: bool = True, target_fpir: float | None = None) -> CollectionInfo:
-        """A new collection deciding at ``match_threshold``, or, with ``target_fpir``, at the threshold
-        derived for that false-positive identification rate (never below ``match_threshold``)."""
+        """A new collection deciding at ``match_threshold``, or at the one derived for ``target_fpir``."""
         if not name or dimension <= 0 or not -1.0 <= match_threshold <= 1.0:
             raise ValueError("a collection needs a name, a positive dimension and a threshold in [-1, 1]")
         if target_fpir is not None and not 0.0 < target_fpir <= 0.5:
