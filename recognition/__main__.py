@@ -5,6 +5,9 @@ database or through a deployed stack's REST API (``--api``); the rules are ``rec
 Defaults come from the settings every entry point reads (``facecore/settings.py``): the database from
 FACEREC_DATABASE__URL or FACEREC_DB_*, Triton from FACEREC_TRITON__URL, the quality gate from
 FACEREC_QUALITY__*, the request sizes from FACEREC_LIMITS__*.
+
+``evaluate`` measures the served model on a labelled folder (``recognition.evaluate``): 1:1 ROC, open-set
+1:N by gallery size at the fixed and the FPIR-calibrated thresholds (docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from facecore.client import AsyncPipelineClient, PipelineError
 from facecore.settings import Settings
 from gallery.cli import open_store, root_parser, run, triton_argument
 from gallery.errors import GalleryError
+from recognition.evaluate import add_parser as add_evaluate
 from recognition.importer import (
     Importer,
     ImportOptions,
@@ -155,6 +159,7 @@ def parser(settings: Settings | None = None) -> argparse.ArgumentParser:
                    help="quality gate: variance of the Laplacian (default: %(default)s)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_import)
+    add_evaluate(sub, settings, _concurrency)
 
     return root
 

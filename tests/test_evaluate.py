@@ -1,15 +1,30 @@
-"""recognition.metrics and recognition.openset, the statistics of ``python -m recognition evaluate`` (1:1
-and open-set 1:N), on synthetic embeddings whose answers are known: orthogonal identities score 0 against
-each other, and one impostor pair is planted."""
+"""``python -m recognition evaluate`` (recognition.evaluate, .metrics, .openset, .evaluation_report): the
+statistics on synthetic embeddings whose answers are known (orthogonal identities score 0 against each
+other; one planted impostor pair), the outputs and errors of the command line, and one run end to end through
+the real Triton on the project's photos, checked against a brute-force recount of the same embeddings."""
 
 from __future__ import annotations
+
+import json
+import logging
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from facecore.scores import ScoreTail
+from facecore.client import PipelineClient
+from facecore.scores import GenuineScores, ScoreTail, reference_genuine, reference_tail
+from facecore.spec import load_spec
 from gallery.calibration import cross_identity_tail
+from recognition.__main__ import main
+from recognition.__main__ import parser as recognition_parser
+from recognition.evaluate import Embedded, read_pairs, reference
+from recognition.evaluation_report import reference_toml
 from recognition.metrics import (
+    Pairs,
     Weighted,
     empirical_threshold,
     genuine_pairs,
@@ -32,7 +47,9 @@ from recognition.openset import (
     enrolled_mask,
     evaluate_size,
 )
+from service.launcher import TritonServer
 
+ROOT = Path(__file__).resolve().parent.parent
 DIM = 64
 K = 50  # identities of the planted set
 FIXED = 0.363
@@ -48,6 +65,14 @@ def planted() -> tuple[np.ndarray, np.ndarray]:
     vectors[1, 0], vectors[1, K - 1] = 0.8, 0.6
     return vectors, identities
 
+
+def embedded(folder: str = "planted") -> Embedded:
+    vectors, identities = planted()
+    names = tuple(f"p{i:02d}" for i in range(K))
+    number = np.r_[np.tile([1, 2], K - 1), 1]
+    paths = tuple(f"{names[i]}/{names[i]}_{n:04d}.jpg" for i, n in zip(identities, number, strict=True))
+    return Embedded(folder, paths, names, identities.astype(np.int64), vectors, (("x/none.jpg", "no face"),),
+                    "sface_2021dec", FIXED, {})
 
 
 # --- 1:1 ----------------------------------------------------------------------------------------------
@@ -212,3 +237,209 @@ def test_decision_changes_list_each_probe_that_changes() -> None:
     _, changes = decision_changes(searches, (Rule("a", fixed=FIXED), Rule("b", fixed=0.9)), FIXED, {})
     assert sorted((c.row, c.stranger) for c in changes) == [(1, False), (1, True)]  # 0.8 < 0.9: now unknown
 
+
+# --- outputs and command line ---------------------------------------------------------------------------
+
+
+def test_pairs_file_in_lfw_format(tmp_path: Path) -> None:
+    data = embedded()
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("10\t300\np00\t1\t2\np00\t1\tp01\t1\np00\t1\t3\np49\t1\tp99\t1\n")
+    genuine, impostor, skipped = read_pairs(pairs, data)
+    assert (genuine.left.tolist(), genuine.right.tolist()) == ([0], [1])
+    assert (impostor.left.tolist(), impostor.right.tolist()) == ([0], [2])
+    assert skipped == ["p00 1 3", "p49 1 p99 1"]
+    pairs.write_text("p00 1 2\np00 one 2\n")
+    with pytest.raises(ValueError, match=r"pairs.txt:2: expected"):
+        read_pairs(pairs, data)
+
+
+def test_reference_block_round_trips_through_a_model_description(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    genuine = Pairs(rng.normal(0.7, 0.1, 300), *np.zeros((4, 300), dtype=np.int64))
+    impostor = Pairs(rng.normal(0.1, 0.09, 40_000), *np.zeros((4, 40_000), dtype=np.int64))
+    block = reference(embedded('/data/Ünïcode "faces"'), genuine, impostor, False, "python -m recognition x")
+    spec_file = tmp_path / "sface.toml"
+    spec = (ROOT / "export/specs/sface_2021dec.toml").read_text()
+    spec_file.write_text(spec + "\n" + reference_toml(block))
+    loaded = load_spec(spec_file).score_reference
+    assert isinstance(loaded, dict) and loaded["measured"] == block["measured"]
+    assert 'Ünïcode "faces", 50 identities, 99 images' in loaded["measured"]
+    assert loaded["measured"].startswith(f"{datetime.now(UTC):%Y-%m-%d}")
+    assert reference_tail(loaded) == ScoreTail.from_dict(block["impostor"])
+    assert reference_tail(loaded) == ScoreTail.from_dict(ScoreTail.from_scores(impostor.scores).to_dict())
+    spread = GenuineScores.from_scores(genuine.scores)
+    assert reference_genuine(loaded) == GenuineScores(round(spread.mean, 5), round(spread.sd, 5), 300)
+
+
+def run(*args: str) -> int:
+    return main(["evaluate", *args])
+
+
+def test_embeddings_are_evaluated_again_without_triton(tmp_path: Path) -> None:
+    embedded().save(tmp_path / "planted.npz")
+    out = tmp_path / "out"
+    assert run("--embeddings", str(tmp_path / "planted.npz"), "--out", str(out), "--url", "127.0.0.1:1",
+               "--bootstrap", "20", "--compare", "fixed:0.363", "fixed:0.7", "--fpir", "0.01", "-q") == 0
+    report = json.loads((out / "report.json").read_text())
+    failed = [{"image": "x/none.jpg", "why": "no face"}]
+    assert report["data"] == {"identities": K, "images": 99, "failed": failed}
+    assert report["verification"]["fixed"]["false_matches"] == 1
+    assert [size["size"] for size in report["identification"]["sizes"]] == [10, K - 1]  # default sizes
+    largest = report["identification"]["sizes"][-1]
+    fixed = next(r for r in largest["rules"] if r["name"] == "fixed 0.363")
+    assert (fixed["fpir"]["errors"], fixed["fpir"]["searches"]) == (1, 99)
+    assert [c["image"] for c in report["changes"]["changed"]] == ["p00/p00_0002.jpg"]
+    assert report["histograms"] == "scores.png" and (out / "scores.png").stat().st_size > 1000
+    text = (out / "report.md").read_text()
+    for heading in ("## 1:1 verification", "## Open-set 1:N", "## Score fusion", "## Decision changes",
+                    "## Images left out", "| 0.0001 | not measurable with 4802 impostor pairs"):
+        assert heading in text
+    assert not (out / "embeddings.npz").exists()  # nothing embedded: nothing to keep
+
+
+def test_reference_out_with_too_few_pairs_still_writes_the_report(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    data = embedded()
+    few = Embedded(data.folder, data.paths[:4], data.names[:2], data.identities[:4], data.vectors[:4], (),
+                   data.model, data.match_threshold, {})
+    few.save(tmp_path / "few.npz")
+    code = run("--embeddings", str(tmp_path / "few.npz"), "--out", str(tmp_path / "out"), "--reference-out",
+               str(tmp_path / "ref.toml"), "-q")
+    assert code == 2 and "needs at least 20 impostor and 2 genuine pairs, got 4 and 2" in caplog.text
+    assert (tmp_path / "out" / "report.md").exists() and not (tmp_path / "ref.toml").exists()
+
+
+def test_errors_are_one_line_exit_2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A missing folder, one identity, no input, Triton unreachable: one logged line, exit 2."""
+    alone = tmp_path / "alone"
+    (alone / "a").mkdir(parents=True)
+    (alone / "a" / "a.jpg").write_bytes(b"x")
+    two = tmp_path / "two"
+    for name in ("a", "b"):
+        (two / name).mkdir(parents=True)
+        (two / name / f"{name}.jpg").write_bytes(b"x")
+    out = ["--out", str(tmp_path / "out"), "--url", "127.0.0.1:1", "-q"]
+    cases = {"no folder": [str(tmp_path / "missing")], "fewer than 2 identities": [str(alone)],
+             "give a labelled folder": [], "Triton at 127.0.0.1:1": [str(two)],
+             "not the embeddings": ["--embeddings", str(alone / "a" / "a.jpg")]}
+    for message, args in cases.items():
+        caplog.clear()
+        assert run(*args, *out) == 2, message
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and message in errors[0].getMessage(), caplog.text
+
+
+@pytest.mark.parametrize("args", [["--compare", "fixed:2", "fpir:0.01"], ["--compare", "fpir:0.9", "fixed:0"],
+                                  ["--fpir", "0"], ["--sizes", "ten"], ["--enroll-per-identity", "0"],
+                                  ["--bootstrap", "-1"]])
+def test_bad_options_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        recognition_parser().parse_args(["evaluate", "x", *args])
+    assert exited.value.code == 2 and args[1] in capsys.readouterr().err
+
+
+# --- end to end through Triton --------------------------------------------------------------------------
+
+LAYOUT = {"Barack_Obama": ["obama.jpg", "obama2.jpg", "obama3.jpg"], "Joe_Biden": ["biden.jpg"],
+          "Group": ["t1.jpg"], "Astronaut": ["astronaut.png"], "Tom_Hanks": ["Tom_Hanks_54745.png"],
+          "Nobody": ["coffee.png"]}
+
+
+@pytest.fixture
+def people(tmp_path: Path, photos: dict[str, Path]) -> Path:
+    """The project's photos in LFW's layout: name/name_0001.jpg, one folder per person (coffee: no face)."""
+    root = tmp_path / "people"
+    for person, files in LAYOUT.items():
+        (root / person).mkdir(parents=True)
+        for number, name in enumerate(files, 1):
+            shutil.copy(photos[name], root / person / f"{person}_{number:04d}{Path(name).suffix}")
+    return root
+
+
+def largest_faces(triton: TritonServer, root: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The oracle: each image's largest face through the blocking client, by box area."""
+    client = PipelineClient(triton.grpc_url)
+    paths, vectors, owners = [], [], []
+    for number, person in enumerate(sorted(p for p in LAYOUT if p != "Nobody")):
+        for image in sorted((root / person).iterdir()):
+            faces = client.infer(image.read_bytes())
+            paths.append(f"{person}/{image.name}")
+            vectors.append(faces.embeddings[int(np.argmax(faces.areas()))])
+            owners.append(number)
+    client.close()
+    return paths, np.array(vectors), np.array(owners)
+
+
+def brute_force(vectors: np.ndarray, owners: np.ndarray, threshold: float) -> dict[str, Any]:
+    """Every pair, and every leave-one-out 1:N search, counted one by one (one image enrolled each)."""
+    scores = vectors @ vectors.T
+    pairs = [(i, j) for i in range(len(owners)) for j in range(i + 1, len(owners))]
+    same = [scores[i, j] for i, j in pairs if owners[i] == owners[j]]
+    other = [scores[i, j] for i, j in pairs if owners[i] != owners[j]]
+    enrolled = {o: int(np.flatnonzero(owners == o)[0]) for o in set(owners.tolist())}
+    matched = missed = searches = 0
+    best_score = []  # each probe once: a stranger in its own rotation, a genuine probe against everyone
+    for stranger in [*enrolled, None]:
+        gallery = {o: face for o, face in enrolled.items() if o != stranger}
+        for probe in range(len(owners)):
+            best = max(gallery, key=lambda o: scores[probe, gallery[o]])
+            if owners[probe] == stranger:
+                matched += scores[probe, gallery[best]] >= threshold
+                best_score.append((probe, "stranger", scores[probe, gallery[best]]))
+            elif probe not in enrolled.values() and stranger is not None:
+                searches += 1
+                missed += not (best == owners[probe] and scores[probe, gallery[best]] >= threshold)
+            elif probe not in enrolled.values():
+                best_score.append((probe, "genuine", scores[probe, gallery[best]]))
+    return {"accepted": sum(s >= threshold for s in same), "genuine": len(same),
+            "false_matches": sum(s >= threshold for s in other), "impostor": len(other),
+            "matched": matched, "missed": missed, "searches": searches, "best": best_score}
+
+
+@pytest.mark.triton
+def test_end_to_end_on_the_projects_photos(triton: TritonServer, people: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run(str(people), "--url", triton.grpc_url, "--out", str(out), "--bootstrap", "50", "--compare",
+               "fixed:0.1", "fixed:0.7", "-q") == 0
+    report = json.loads((out / "report.json").read_text())
+    paths, vectors, owners = largest_faces(triton, people)
+    expected = brute_force(vectors, owners, FIXED)
+    assert report["model"] == {"name": "sface_2021dec", "match_threshold": FIXED, "score_reference": False}
+    assert report["data"]["failed"] == [{"image": "Nobody/Nobody_0001.png", "why": "no face"}]
+    assert (report["data"]["identities"], report["data"]["images"]) == (5, 7)
+    kept = Embedded.load(out / "embeddings.npz")
+    assert list(kept.paths) == paths and np.allclose(kept.vectors, vectors, atol=1e-5)
+    fixed = report["verification"]["fixed"]
+    assert {k: fixed[k] for k in ("accepted", "genuine", "false_matches", "impostor")} == {
+        k: expected[k] for k in ("accepted", "genuine", "false_matches", "impostor")}
+    assert (expected["genuine"], expected["impostor"]) == (3, 18)
+    assert all(p["threshold"] is None for p in report["verification"]["points"])  # 18 pairs: no FMR of 1e-2
+    (largest,) = report["identification"]["sizes"]
+    assert (largest["size"], largest["galleries"]) == (4, 5)
+    for name in ("fixed 0.363", "fpir 0.01", "fpir 0.001"):
+        rule = next(r for r in largest["rules"] if r["name"] == name)
+        assert (rule["fpir"]["errors"], rule["fpir"]["searches"]) == (expected["matched"], 7)
+        fnir = rule["fnir"]
+        assert (fnir["errors"], fnir["searches"]) == (expected["missed"], expected["searches"])
+    product = next(r for r in largest["rules"] if r["name"] == "fpir 0.01")
+    assert product["basis"] == {"fixed": 5}  # 4 faces: too few pairs, and no reference: the fixed threshold
+    obama = [i for i, p in enumerate(paths) if p.startswith("Barack_Obama")]
+    changed = sorted((c["image"], c["role"]) for c in report["changes"]["changed"])
+    assert report["changes"]["probes"] == len(expected["best"]) == 9
+    assert changed == sorted((paths[i], role) for i, role, score in expected["best"] if 0.1 <= score < 0.7)
+    assert len(changed) >= 2  # strangers between 0.1 and 0.7, and one Obama photo at 0.69
+    assert (out / "report.md").read_text().count("not measurable with 18 impostor pairs") == 3
+
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("Barack_Obama 1 2\nBarack_Obama 2 3\nBarack_Obama 1 Joe_Biden 1\n"
+                     "Joe_Biden 1 Joe_Biden 2\n")
+    again = tmp_path / "again"
+    assert run("--embeddings", str(out / "embeddings.npz"), "--pairs", str(pairs), "--out", str(again),
+               "--bootstrap", "10", "-q") == 0
+    verification = json.loads((again / "report.json").read_text())["verification"]
+    assert (verification["genuine"], verification["impostor"]) == (2, 1)
+    assert verification["skipped"] == ["Joe_Biden 1 Joe_Biden 2"]
+    scores = vectors @ vectors.T
+    in_file = [scores[obama[0], obama[1]], scores[obama[1], obama[2]]]
+    assert verification["fixed"]["accepted"] == sum(int(score >= FIXED) for score in in_file)
