@@ -161,9 +161,9 @@ def _changes(section: dict[str, Any] | None) -> list[str]:
     lines = [f"## Decision changes: {section['a']} → {section['b']}", "",
              f"{len(changed)} of {section['probes']} probes decided differently (each probe once at the "
              "largest gallery: a stranger's images against every other identity, a genuine probe against "
-             "every identity).", ""]
+             "every identity)."]
     if changed:
-        lines += ["| image | role | identity | rank-1 | score | A | B |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| image | role | identity | rank-1 | score | A | B |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {c['image']} | {c['role']} | {c['identity']} | {c['candidate']} | {c['score']:.4f} | "
                   f"{c['a']} | {c['b']} |" for c in changed[:MAX_CHANGES]]
         if len(changed) > MAX_CHANGES:
@@ -178,7 +178,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Evaluation of {model['name']} on {report['folder']}", "",
              f"{report['date']}: `{report['command']}`", "",
              f"{data['images']} images of {data['identities']} identities, the largest face of each "
-             f"(images without a face: {len(data['failed'])}). Model threshold {model['match_threshold']:g}; "
+             f"(left out, without a face or unreadable: {len(data['failed'])}). Model threshold "
+             f"{model['match_threshold']:g}; "
              f"score reference: {'yes' if model['score_reference'] else 'none'}. Histograms: "
              f"{report['histograms']}.", ""]
     lines += _verification(report["verification"])
