@@ -125,6 +125,15 @@ class ScoreTail:
             z = float(np.interp(score, scores, zs)) if scores[-1] > scores[0] else zs[-1]
         return _survival(z)
 
+    def survivals(self, scores: NDArray[np.float64]) -> NDArray[np.float64]:
+        """``survival`` of many scores at once."""
+        zs, points = self._arrays()
+        z = np.interp(scores, points, zs) if points[-1] > points[0] else np.full(scores.shape, zs[-1])
+        z = np.where(scores > points[-1], zs[-1] + (scores - points[-1]) / self.slope, z)
+        z = np.where(scores < points[0], zs[0] + (scores - points[0]) / self._head_slope(), z)
+        survived: NDArray[np.float64] = ndtr(-z)
+        return survived
+
     def _head_slope(self) -> float:
         zs, scores = self._arrays()
         if zs.size >= 2 and zs[1] > zs[0] and scores[1] > scores[0]:
@@ -181,6 +190,33 @@ class GenuineScores:
         return float(ndtr((threshold - self.mean) / self.sd))
 
 
+#: Scores at which a match probability is tabulated (``match_probabilities``).
+GRID = np.linspace(-1.0, 1.0, 801)
+
+
+def match_probabilities(tail: ScoreTail, genuine: GenuineScores, comparisons: int,
+                        prior: float = 0.5) -> NDArray[np.float64]:
+    """On ``GRID``: the probability that a best candidate scoring there is the probe's own identity, for a
+    probe enrolled with probability ``prior``, among ``comparisons`` impostor faces. With ``g`` and ``G``
+    the genuine score density and distribution, ``F = 1 - S`` the impostor's, ``h = d/ds F^n`` the best
+    impostor's density:
+
+        P = prior g F^n / (prior g F^n + prior h G + (1 - prior) h)
+
+    (the own identity is the best candidate when it beats every impostor; else an impostor is, for an
+    enrolled probe as for a stranger). Made non-decreasing in the score, so it never reorders candidates."""
+    below = np.clip(1.0 - tail.survivals(GRID), 0.0, 1.0)
+    best = np.exp(max(comparisons, 1) * np.log(np.maximum(below, 1e-300)))  # F^n: P(best impostor < s)
+    impostor = np.maximum(np.gradient(best, GRID), 0.0)
+    z = (GRID - genuine.mean) / genuine.sd
+    own = np.exp(-0.5 * z * z) / (genuine.sd * np.sqrt(2 * np.pi))
+    right = prior * own * best
+    total = right + prior * impostor * ndtr(z) + (1 - prior) * impostor
+    posterior = np.divide(right, total, out=np.zeros_like(total), where=total > 1e-300)
+    monotone: NDArray[np.float64] = np.minimum.accumulate(posterior[::-1])[::-1]
+    return monotone
+
+
 def comparisons_tail(fpir: float, comparisons: int) -> float:
     """The impostor tail probability per comparison that gives ``fpir`` over ``comparisons``."""
     if not 0.0 < fpir < 1.0:
@@ -201,7 +237,7 @@ def expected_fpir(tail: ScoreTail, threshold: float, comparisons: int) -> float:
 
 def stranger_below(tail: ScoreTail, score: float, comparisons: int) -> float:
     """The chance that a stranger's best score among ``comparisons`` faces stays below ``score``:
-    ``1 - expected_fpir`` at that score. Monotone in ``score``."""
+    ``1 - expected_fpir`` at that score."""
     return 1.0 - expected_fpir(tail, score, comparisons)
 
 

@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from facecore.scores import (
+    GRID,
     GenuineScores,
     ScoreTail,
     expected_fpir,
+    match_probabilities,
     reference_genuine,
     reference_tail,
-    stranger_below,
     threshold_for,
 )
 from gallery.store.store import CollectionInfo
@@ -48,6 +49,8 @@ REFIT_GROWTH = 1.5
 WEAK = 0.5
 #: A fixed threshold that lets more than this share of strangers match somebody is worth a warning.
 LOOSE = 0.05
+#: The highest confidence given: a probability from a model fitted to measured scores is never a certainty.
+MOST_SURE = 0.9999
 #: Width of the logistic that stands in for a confidence where there is no score model.
 LOGISTIC_WIDTH = 0.05
 
@@ -65,6 +68,8 @@ class Decision:
     genuine_rejected: float | None
     basis: str  # "collection", "reference", or "fixed"
     tail: ScoreTail | None
+    #: the confidence on ``facecore.scores.GRID`` (None: no score model, the stand-in logistic)
+    curve: NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
 
     @property
     def warning(self) -> str | None:
@@ -85,13 +90,14 @@ class Decision:
         return None
 
     def confidence(self, score: float) -> float:
-        """The chance that a stranger's best score among this collection's faces stays below ``score``:
-        1 - FPIR at that score. Monotone in the score, whatever the threshold. Without a score model (an
-        embedding model with no reference, a collection too small to measure its own), a logistic of the
-        score around the threshold (0.5 there) that says nothing about error rates."""
-        if self.tail is None:
+        """The probability that a best candidate with this score is the probe's own identity and not a
+        stranger's best impostor among the collection's faces, for a probe as likely enrolled as not
+        (``facecore.scores.match_probabilities``). Monotone in the score, whatever threshold decides.
+        Without a score model (an embedding model with no reference, or no genuine scores), a logistic of
+        the score around the threshold (0.5 there) that says nothing about error rates."""
+        if self.curve is None:
             return 1.0 / (1.0 + math.exp(-(score - self.threshold) / LOGISTIC_WIDTH))
-        return stranger_below(self.tail, score, self.faces)
+        return min(float(np.interp(score, GRID, self.curve)), MOST_SURE)
 
 
 def _percent(value: float | None) -> str:
@@ -115,16 +121,21 @@ def decide(info: CollectionInfo, faces: int, reference: dict[str, Any]) -> Decis
     basis = "collection"
     if tail is None:
         tail, basis = reference_tail(reference), "reference"
+    curve = _curve(tail, genuine, faces)
     if info.match_policy != FPIR or info.target_fpir is None:
         fpir = None if tail is None else expected_fpir(tail, info.match_threshold, faces)
         return Decision(FIXED, info.match_threshold, faces, None, fpir,
-                        _rejected(genuine, info.match_threshold), "fixed", tail)
+                        _rejected(genuine, info.match_threshold), "fixed", tail, curve)
     if tail is None:
         return Decision(FPIR, info.match_threshold, faces, info.target_fpir, None,
                         _rejected(genuine, info.match_threshold), "fixed", None)
     threshold = max(threshold_for(tail, info.target_fpir, faces), info.match_threshold)
     return Decision(FPIR, threshold, faces, info.target_fpir, expected_fpir(tail, threshold, faces),
-                    _rejected(genuine, threshold), basis, tail)
+                    _rejected(genuine, threshold), basis, tail, curve)
+
+
+def _curve(tail: ScoreTail | None, genuine: GenuineScores | None, faces: int) -> NDArray[np.float64] | None:
+    return None if tail is None or genuine is None else match_probabilities(tail, genuine, faces)
 
 
 def one_to_one(threshold: float, reference: dict[str, Any], comparisons: int = 1) -> Decision:
@@ -133,7 +144,8 @@ def one_to_one(threshold: float, reference: dict[str, Any], comparisons: int = 1
     tail = reference_tail(reference)
     fpir = None if tail is None else expected_fpir(tail, threshold, comparisons)
     genuine = reference_genuine(reference)
-    return Decision(FIXED, threshold, comparisons, None, fpir, _rejected(genuine, threshold), "fixed", tail)
+    return Decision(FIXED, threshold, comparisons, None, fpir, _rejected(genuine, threshold), "fixed", tail,
+                    _curve(tail, genuine, comparisons))
 
 
 def _rejected(genuine: GenuineScores | None, threshold: float) -> float | None:

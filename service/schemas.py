@@ -134,6 +134,8 @@ class DecisionOut(BaseModel):
     basis: Literal["collection", "reference", "fixed"] = Field(
         description="collection: the impostor tail measured on the collection's own cross-identity scores; "
                     "reference: the embedding model's reference; fixed: a fixed threshold")
+    confidence_at_threshold: float = Field(description="the confidence of a candidate scoring exactly the "
+                                           "threshold (candidates' confidences are compared with it)")
     warning: str | None = Field(description="set when the policy cannot be kept usefully at this size")
 
 
@@ -277,8 +279,9 @@ class Candidate(BaseModel):
     external_id: str
     name: str
     score: float = Field(description="cosine similarity of the identity's closest enrolled face")
-    confidence: float = Field(description="the chance that a stranger's best score in this collection stays "
-                              "below this score (docs/calibration.md)")
+    confidence: float = Field(description="the probability that this candidate is the person and not a "
+                              "stranger's look-alike, given its score and the collection's size, for a probe "
+                              "as likely enrolled as not (docs/calibration.md)")
 
 
 class IdentifiedFace(BaseModel):

@@ -64,10 +64,10 @@ def test_the_recognition_flow(live: Live, key: str, photos: dict[str, Path]) -> 
     assert set(found) == {"result"}  # status=false: no plugins_versions, no execution_time
     stranger = recognition.recognize(image_path=str(photos["astronaut.png"]))
     # the nearest subject whatever its similarity, as CompreFace answers; a client tells a stranger by a
-    # similarity below 1 - the collection's target FPIR (docs/compat.md)
+    # similarity below the collection's confidence at its threshold (docs/compat.md)
     (nearest,) = stranger["result"][0]["subjects"]
-    target = live.admin("GET", "/v1/collections/cf")["match_policy"]["fpir"]
-    assert nearest["subject"] in {"obama", "Joe Biden"} and nearest["similarity"] < 1 - target
+    cut = live.admin("GET", "/v1/collections/cf")["decision"]["confidence_at_threshold"]
+    assert nearest["subject"] in {"obama", "Joe Biden"} and nearest["similarity"] < min(cut, 0.5)
 
     rich = recognition.recognize(image_path=str(photos["obama2.jpg"]), options={
         "limit": 1, "prediction_count": 2, "det_prob_threshold": 0.8, "face_plugins": "landmarks,calculator",

@@ -67,7 +67,8 @@ def test_an_fpir_policy_derives_its_threshold_for_the_collections_size(store: Ga
         assert decision.basis == "reference"
         assert decision.threshold == pytest.approx(threshold_for(tail, 0.01, faces))
         assert decision.expected_fpir == pytest.approx(0.01, rel=1e-6)
-        assert decision.confidence(decision.threshold) == pytest.approx(0.99)
+        assert decision.confidence(0.0) < 0.01 < decision.confidence(decision.threshold) < 0.999
+        assert decision.confidence(0.95) == 0.9999  # never a certainty
         thresholds.append(decision.threshold)
     assert thresholds == sorted(thresholds)
     floored = decide(replace(info, match_threshold=0.9), 10, ref)
@@ -118,7 +119,7 @@ def test_one_to_one_decisions_count_the_faces_compared(store: GalleryStore) -> N
     assert one.threshold == twenty.threshold == 0.363
     assert one.expected_fpir is not None and twenty.expected_fpir is not None
     assert twenty.expected_fpir > 10 * one.expected_fpir
-    assert one.confidence(0.5) > twenty.confidence(0.5)
+    assert one.confidence(0.45) > twenty.confidence(0.45)
 
 
 def test_policies_are_stored_logged_and_followed_by_replicas(store: GalleryStore,

@@ -184,7 +184,8 @@ def test_limits_and_scores_prose_matches_the_code() -> None:
     threshold = sface["match_threshold"]
     words = " ".join(section(text, "Scores, thresholds, unknown").split())
     assert f"SFace: {threshold}," in words, "the SFace threshold differs from its spec"
-    assert "`confidence` is the chance that a stranger's best score in the collection stays below" in words
+    assert ("`confidence` is the probability that the candidate is the person and not a stranger's "
+            "look-alike") in words
     assert f'`{{"fpir": {DEFAULT_FPIR}}}`' in words, "the default policy differs from the settings'"
 
 

@@ -14,10 +14,12 @@ import pytest
 from scipy import stats
 
 from facecore.scores import (
+    GRID,
     GenuineScores,
     ScoreTail,
     comparisons_tail,
     expected_fpir,
+    match_probabilities,
     stranger_below,
     threshold_for,
 )
@@ -113,14 +115,36 @@ def test_a_histogram_gives_the_tail_of_its_scores(normal: stats.rv_continuous) -
     assert from_bins.pairs == 400_000
 
 
-def test_the_confidence_is_one_minus_fpir_and_monotone(measured: ScoreTail) -> None:
+def test_strangers_stay_below_a_threshold_as_often_as_its_fpir_says(measured: ScoreTail) -> None:
     n = 5_000
     threshold = threshold_for(measured, 0.01, n)
     assert stranger_below(measured, threshold, n) == pytest.approx(0.99, abs=1e-9)
-    scores = np.linspace(-0.5, 1.0, 301)
-    confidences = [stranger_below(measured, float(s), n) for s in scores]
-    assert confidences == sorted(confidences)
-    assert confidences[0] == pytest.approx(0.0, abs=1e-12) and confidences[-1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("n", [1, 100, 10_000])
+def test_the_match_probability_is_what_simulated_searches_show(normal: stats.rv_continuous,
+                                                               measured: ScoreTail, n: int) -> None:
+    """Probes enrolled or not, half and half: a genuine probe's own face scores from the genuine
+    distribution, every other comparison from the impostor one; the best candidate is its own identity
+    when that beats them all. Among best candidates in a score bin, the share that are the probe's own
+    identity is what ``match_probabilities`` says there (within sampling error), and it only rises."""
+    genuine = GenuineScores(0.72, 0.12, 1000)
+    curve = match_probabilities(measured, genuine, n)
+    assert np.all(np.diff(curve) >= 0) and curve[0] == 0.0 and curve[-1] > 0.999
+    rng = np.random.default_rng(n)
+    count = 200_000
+    impostor = strangers_best(normal, n, count, seed=n + 1)
+    own = rng.normal(genuine.mean, genuine.sd, count)
+    enrolled = rng.random(count) < 0.5
+    best = np.where(enrolled, np.maximum(own, impostor), impostor)
+    right = enrolled & (own >= impostor)
+    for low in np.arange(0.2, 0.8, 0.05):
+        chosen = (best >= low) & (best < low + 0.05)
+        if chosen.sum() < 2_000:
+            continue
+        observed = right[chosen].mean()
+        predicted = np.interp(best[chosen], GRID, curve).mean()
+        assert abs(observed - predicted) < 0.05, (n, low, observed, predicted)
 
 
 def test_a_tail_round_trips_and_refuses_what_is_not_one(measured: ScoreTail) -> None:

@@ -100,7 +100,7 @@ async def recognize(collection: CollectionDep, image: ImageDep, service: Service
     for i in cf.picked(found.faces, limit):
         face = cf.cf_face(found.faces, i, plugins, elapsed)
         # the nearest subjects whatever their similarity, as CompreFace answers: the client decides (a
-        # stranger's best similarity is below 1 - the collection's target FPIR: docs/compat.md)
+        # stranger's best similarity is below the collection's confidence at its threshold: docs/compat.md)
         face.subjects = [cf.CfSubject(subject=c.external_id,
                                       similarity=cf.similarity(c.score, found.decision))
                          for c in found.results[i].candidates]
