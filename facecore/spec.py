@@ -109,8 +109,15 @@ def spec_from_dict(values: dict[str, Any], base_dir: Path | None = None) -> Mode
 
 
 def load_spec(path: str | Path) -> ModelSpec:
-    """Read a model description; a relative ``onnx`` path is relative to the TOML file."""
+    """Read a model description; a relative ``onnx`` path is relative to the TOML file. Its measured score
+    distributions, when there are any, are in ``<stem>.scores.toml`` beside it (its ``score_reference``,
+    written by ``python -m recognition evaluate --reference-out``)."""
     file = Path(path)
     with file.open("rb") as handle:
         data = tomllib.load(handle)
-    return spec_from_dict(data.get("model", data), base_dir=file.parent)
+    values = dict(data.get("model", data))
+    scores = file.with_name(file.stem + ".scores.toml")
+    if scores.exists() and "score_reference" not in values:
+        with scores.open("rb") as handle:
+            values["score_reference"] = tomllib.load(handle)
+    return spec_from_dict(values, base_dir=file.parent)

@@ -269,7 +269,7 @@ def command(args: argparse.Namespace, folder: str) -> str:
 
 
 def reference(data: Embedded, genuine: Pairs, impostor: Pairs, sampled: bool, cmd: str) -> dict[str, Any]:
-    """``[model.score_reference]``: the impostor tail and the genuine scores of every pair (or the sample)."""
+    """The score reference: the impostor tail and the genuine scores of every pair (or the sample)."""
     if len(impostor) < 20 or len(genuine) < 2:
         raise ValueError(f"--reference-out needs at least 20 impostor and 2 genuine pairs, got "
                          f"{len(impostor)} and {len(genuine)}")
@@ -413,8 +413,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], setting
     p.add_argument("--compare", type=_config, nargs=2, metavar=("A", "B"), help="list the 1:N probes whose "
                    "decision differs between two configurations at the largest gallery: fixed:T or fpir:F "
                    "(e.g. fixed:0.363 fpir:0.01)")
-    p.add_argument("--reference-out", type=Path, metavar="FILE", help="write the model's [model."
-                   "score_reference] TOML block (impostor tail and genuine scores of every pair) to FILE")
+    p.add_argument("--reference-out", type=Path, metavar="FILE", help="write the model's score reference "
+                   "(impostor tail and genuine scores of every pair) to FILE: save it beside the embedder's "
+                   "description as export/specs/<name>.scores.toml")
     p.add_argument("--seed", type=int, default=0, help="seed of every sample and resample (default: 0)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=evaluate)

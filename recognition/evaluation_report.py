@@ -220,21 +220,21 @@ def histograms(genuine: NDArray[np.float64], impostor: NDArray[np.float64], thre
 
 
 def reference_toml(block: dict[str, Any]) -> str:
-    """``block`` as the TOML of ``[model.score_reference]`` (what facecore.spec.load_spec reads back)."""
+    """``block`` as a score reference file: ``<description>.scores.toml`` beside a model description,
+    which facecore.spec.load_spec reads into its ``score_reference``."""
     impostor, genuine = block["impostor"], block["genuine"]
     points = ",\n".join(f"  [{z!r}, {s!r}]" for z, s in impostor["points"])
     return "\n".join([
-        "# Measured by `python -m recognition evaluate`: paste at the end of the embedder's",
-        "# export/specs/*.toml (after every other [model] key). docs/calibration.md says how.",
-        "[model.score_reference]",
+        "# Measured by `python -m recognition evaluate`: save beside the embedder's description as",
+        "# export/specs/<name>.scores.toml (docs/calibration.md says how).",
         f"measured = {json.dumps(block['measured'])}",
         "",
-        "[model.score_reference.impostor]",
+        "[impostor]",
         f"points = [\n{points},\n]",
         f"slope = {impostor['slope']!r}",
         f"pairs = {impostor['pairs']}",
         "",
-        "[model.score_reference.genuine]",
+        "[genuine]",
         f"mean = {genuine['mean']!r}",
         f"sd = {genuine['sd']!r}",
         f"pairs = {genuine['pairs']}",

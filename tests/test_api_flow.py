@@ -82,7 +82,10 @@ def test_enroll_identify_then_erase(engine_api: Api) -> None:
     assert gallery_size(api, "people") == 1
 
     found = api.ok(api.identify("people", "obama2.jpg"))
-    assert found["threshold"] == pytest.approx(threshold)
+    decided = api.ok(api.get("/v1/collections/people"))  # the default policy: a target FPIR at its size
+    assert decided["match_policy"] == {"fpir": 0.01, "threshold": None} and found["match_policy"] == "fpir"
+    assert found["threshold"] == pytest.approx(decided["decision"]["threshold"], abs=1e-6)
+    assert found["threshold"] >= threshold
     match = only_face(found)
     assert match["decision"] == "match"
     assert match["identity"]["external_id"] == "obama" and match["identity"]["name"] == "Barack Obama"

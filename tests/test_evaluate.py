@@ -259,9 +259,10 @@ def test_reference_block_round_trips_through_a_model_description(tmp_path: Path)
     genuine = Pairs(rng.normal(0.7, 0.1, 300), *np.zeros((4, 300), dtype=np.int64))
     impostor = Pairs(rng.normal(0.1, 0.09, 40_000), *np.zeros((4, 40_000), dtype=np.int64))
     block = reference(embedded('/data/Ünïcode "faces"'), genuine, impostor, False, "python -m recognition x")
-    spec_file = tmp_path / "sface.toml"
-    spec = (ROOT / "export/specs/sface_2021dec.toml").read_text()
-    spec_file.write_text(spec + "\n" + reference_toml(block))
+    spec_file = tmp_path / "sface.toml"  # a description without a reference, and one beside it
+    spec_file.write_text((ROOT / "export/specs/sface_2021dec.toml").read_text())
+    assert load_spec(spec_file).score_reference == {}
+    (tmp_path / "sface.scores.toml").write_text(reference_toml(block))
     loaded = load_spec(spec_file).score_reference
     assert isinstance(loaded, dict) and loaded["measured"] == block["measured"]
     assert 'Ünïcode "faces", 50 identities, 99 images' in loaded["measured"]
@@ -405,7 +406,8 @@ def test_end_to_end_on_the_projects_photos(triton: TritonServer, people: Path, t
     report = json.loads((out / "report.json").read_text())
     paths, vectors, owners = largest_faces(triton, people)
     expected = brute_force(vectors, owners, FIXED)
-    assert report["model"] == {"name": "sface_2021dec", "match_threshold": FIXED, "score_reference": False}
+    # the served description carries SFace's measured score reference (export/specs/sface_2021dec.scores.toml)
+    assert report["model"] == {"name": "sface_2021dec", "match_threshold": FIXED, "score_reference": True}
     assert report["data"]["failed"] == [{"image": "Nobody/Nobody_0001.png", "why": "no face"}]
     assert (report["data"]["identities"], report["data"]["images"]) == (5, 7)
     kept = Embedded.load(out / "embeddings.npz")
@@ -419,11 +421,15 @@ def test_end_to_end_on_the_projects_photos(triton: TritonServer, people: Path, t
     assert (largest["size"], largest["galleries"]) == (4, 5)
     for name in ("fixed 0.363", "fpir 0.01", "fpir 0.001"):
         rule = next(r for r in largest["rules"] if r["name"] == name)
-        assert (rule["fpir"]["errors"], rule["fpir"]["searches"]) == (expected["matched"], 7)
+        threshold = rule["threshold"]["min"]
+        assert threshold == rule["threshold"]["max"]  # every gallery holds 4 faces
+        counted = brute_force(vectors, owners, threshold)
+        assert (rule["fpir"]["errors"], rule["fpir"]["searches"]) == (counted["matched"], 7)
         fnir = rule["fnir"]
-        assert (fnir["errors"], fnir["searches"]) == (expected["missed"], expected["searches"])
+        assert (fnir["errors"], fnir["searches"]) == (counted["missed"], counted["searches"])
     product = next(r for r in largest["rules"] if r["name"] == "fpir 0.01")
-    assert product["basis"] == {"fixed": 5}  # 4 faces: too few pairs, and no reference: the fixed threshold
+    # 4 faces: too few pairs for the gallery's own tail, so the served model's reference decides
+    assert product["basis"] == {"reference": 5} and product["threshold"]["min"] > FIXED
     obama = [i for i, p in enumerate(paths) if p.startswith("Barack_Obama")]
     changed = sorted((c["image"], c["role"]) for c in report["changes"]["changed"])
     assert report["changes"]["probes"] == len(expected["best"]) == 9
