@@ -14,8 +14,8 @@ from export.profiles import Profile
 from export.repository import RepositoryPlan, write_repository
 from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
+
 README = "README.md"
 
 _FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)

@@ -33,13 +33,14 @@ from facecore.settings import (
     TritonSettings,
 )
 from service.app import create_app
+from tests import ROOT
 from tests.conftest import ARTIFACTS, free_ports
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 OUTPUT = ARTIFACTS / "test-output"
-STATIC = Path(__file__).resolve().parent.parent / "service" / "static"
+STATIC = ROOT / "service" / "static"
 ADMIN_KEY = "demo-admin-key-for-tests-0123456789"
 COLLECTION = "demo"
 TIMEOUT_MS = 60_000

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tests import ROOT
 from tests.compose_files import (
     InterpolationError,
     interpolate,
@@ -38,7 +39,7 @@ from tests.compose_files import (
     variables,
     volume_mount,
 )
-from tests.deploy_helpers import COMPOSE, COMPOSE_CPU, DEPLOY, ENV_EXAMPLE, ROOT, container_port, need
+from tests.deploy_helpers import COMPOSE, COMPOSE_CPU, DEPLOY, ENV_EXAMPLE, container_port, need
 
 pytest_plugins = ["tests.deploy_fixtures"]
 

@@ -23,7 +23,7 @@ from export import __main__ as cli
 from export import engine_cache, engine_check
 from export.engine_cache import engine_slots
 from facecore.probe import PROBE_FILE
-from tests.conftest import ROOT
+from tests import ROOT
 from tests.deploy_helpers import load_module
 from tests.test_engine_cache import H100, L4, FakeTensorRT, trt_model
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import ROOT
 from tests.deploy_helpers import (
     DEPLOY,
     DOCKERFILES,
-    ROOT,
     base_images,
     exposed_ports,
     final_stage,

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import ROOT
 from tests.compose_files import load_compose, load_model, plain, variables
-from tests.deploy_helpers import COMPOSE, K8S, ROOT, need
+from tests.deploy_helpers import COMPOSE, K8S, need
 from tests.test_deploy import SCHEMA, compose_problems
 
 pytest_plugins = ["tests.deploy_fixtures"]

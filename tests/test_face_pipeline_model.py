@@ -19,7 +19,7 @@ import pytest
 
 from export.defaults import DefaultModels
 from facecore.onnx_runtime import create_session
-from tests.conftest import ROOT
+from tests import ROOT
 from tests.fakes import triton_python_backend_utils as fake
 
 PIPELINE_SOURCE = ROOT / "model_repository" / "face_pipeline" / "model.py"

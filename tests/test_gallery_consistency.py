@@ -26,6 +26,7 @@ from gallery.gallery import Gallery
 from gallery.replica import Replica
 from gallery.store.db import Database, create_db_engine, migrate
 from gallery.store.store import GalleryStore
+from tests import ROOT
 from tests import gallery_crash_worker as worker
 from tests.gallery_helpers import (
     MODEL,
@@ -40,7 +41,6 @@ from tests.gallery_helpers import (
 
 pytest_plugins = ["tests.gallery_fixtures"]
 
-ROOT = Path(__file__).resolve().parent.parent
 DIM = 16
 
 

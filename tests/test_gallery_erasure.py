@@ -18,11 +18,11 @@ from numpy.typing import NDArray
 from gallery.engines.index import FaceIndex
 from gallery.gallery import Gallery
 from gallery.store.store import GalleryStore, NewFace
+from tests import ROOT
 
 pytest_plugins = ["tests.gallery_fixtures"]
 
 DIM = 16
-ROOT = Path(__file__).resolve().parent.parent
 #: Saves a small index to argv[1] and SIGKILLs itself at the save's first fsync (the index written, staged).
 KILLED_SAVE = """
 import os, signal, sys

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.conftest import ROOT
+from tests import ROOT
 
 if TYPE_CHECKING:
     from tests.live_fixtures import Live, StartLive

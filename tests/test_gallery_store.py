@@ -22,6 +22,7 @@ from gallery.errors import Conflict, InvalidEmbedding, ModelMismatch, NotFound
 from gallery.store.db import Polled, create_db_engine, migrate
 from gallery.store.models import Base, ChangeOp, Identity
 from gallery.store.store import GalleryStore
+from tests import ROOT
 from tests.gallery_helpers import (
     MODEL,
     OTHER_MODEL,
@@ -35,7 +36,6 @@ from tests.gallery_helpers import (
 pytest_plugins = ["tests.gallery_fixtures"]
 
 DIM = 16
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def counts(engine: Engine) -> tuple[int, ...]:

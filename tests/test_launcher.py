@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from service.launcher import TritonPorts, TritonServer, TritonStartError, http_status, stop_process
-from tests.conftest import ROOT, free_ports
+from tests import ROOT
+from tests.conftest import free_ports
 from tests.test_supervisor import alive, wait_for
 
 pytestmark = pytest.mark.triton

@@ -43,9 +43,9 @@ from facecore.settings import GallerySettings, GatewaySettings
 from gallery.__main__ import parser as gallery_parser
 from recognition.__main__ import parser as recognition_parser
 from service.app import create_app
+from tests import ROOT
 from tests.readme_runner import (
     README,
-    ROOT,
     Command,
     CurlCall,
     anchors,

@@ -11,8 +11,9 @@ import pytest
 from facecore.pipeline import PipelineSettings, validate_options
 from facecore.processing import DetectOptions
 from facecore.spec import ColorOrder, ModelSpec, Role, load_spec, spec_from_dict
+from tests import ROOT
 
-SPECS = Path(__file__).resolve().parent.parent / "export" / "specs"
+SPECS = ROOT / "export" / "specs"
 
 
 def detector_values(**changes: Any) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from facecore.client import PipelineClient
 from service.launcher import TritonPorts, TritonServer, group_members
 from service.readiness import PROBE_TIMEOUT_S, RETRY_S
 from service.supervisor import WATCH_S, Supervisor, backoff
-from tests.conftest import ROOT, free_ports
+from tests import ROOT
+from tests.conftest import free_ports
 
 pytestmark = pytest.mark.triton
 
