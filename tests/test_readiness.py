@@ -16,7 +16,7 @@ from facecore.spec import ModelSpec
 from service import readiness
 from service.launcher import TritonServer
 from service.readiness import RETRY_S, RecognitionCheck
-from tests.test_probe import faces
+from tests.facecore.test_probe import faces
 
 if TYPE_CHECKING:
     from tests.api_fixtures import StartApi
