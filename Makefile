@@ -18,7 +18,7 @@ TRITON_PORTS ?= 8000 8001 8002
 PYTHON312 ?= python3.12
 VENV312 ?= .venv312
 PY312_TESTS ?= tests/test_triton_pipeline.py tests/test_api_flow.py tests/test_compat_deepstack.py \
-	tests/test_api_readable_errors.py tests/test_precision.py
+	tests/test_api_readable_errors.py tests/export/test_precision.py
 
 .PHONY: run test test-py312 setup models photos lint clean
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the checks themselves need no TensorRT tooling (bench/gpu.p
 #: 0.99 embedding cosine of ``export.precision``'s pipeline check: the detector's scores in float16 (the
 #: best an FP16 engine can give) tie anchors whose scores differ by less than 0.0005, so NMS keeps another
 #: anchor of the same face; measured on the test photos with the ONNX outputs rounded to float16: box IoU
-#: down to 0.94 and that face's embedding cosine down to 0.966 (tests/test_engine_check.py).
+#: down to 0.94 and that face's embedding cosine down to 0.966 (tests/export/test_engine_check.py).
 DETECTION_IOU = 0.9
 
 #: (plan file, output names) -> a function running that plan on one input batch.

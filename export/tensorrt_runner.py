@@ -3,7 +3,7 @@ the ONNX model at build time.
 
 Device memory through the CUDA runtime by ``ctypes`` (``libcudart.so.12``): the NGC tritonserver image
 has the CUDA runtime but neither PyCUDA nor cuda-python. Runs only where TensorRT and a GPU are; the
-tests that use it are skipped elsewhere (tests/test_engine_cache.py says so).
+tests that use it are skipped elsewhere (tests/export/test_engine_cache.py says so).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from export.engine_cache import engine_slots
 from facecore.probe import PROBE_FILE
 from tests import ROOT
 from tests.deploy_helpers import load_module
-from tests.test_engine_cache import H100, L4, FakeTensorRT, trt_model
+from tests.export.test_engine_cache import H100, L4, FakeTensorRT, trt_model
 
 DEPLOY = ROOT / "deploy"
 GPU_REPOSITORY = "/opt/facerec/model_repository/gpu"
@@ -122,7 +122,8 @@ def image_repository(root: Path, versions: tuple[int, ...] = (1,), detector_batc
 
 class Exporter:
     """The entrypoint's ``python -m export tensorrt ...``, run in this process with TensorRT faked
-    (tests/test_engine_cache.py's FakeTensorRT: a plan says which ONNX, max batch and precision it is of)."""
+    (tests/export/test_engine_cache.py's FakeTensorRT: a plan says which ONNX, max batch and precision it
+    is of)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.trt, self.commands = FakeTensorRT(), list[list[str]]()

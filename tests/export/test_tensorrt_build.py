@@ -1,5 +1,6 @@
 """TensorRT engine building: profile checks run everywhere; the real build runs only where TensorRT is
-installed (the NGC image or a GPU host). The repository's engine lifecycle: tests/test_engine_cache.py."""
+installed (the NGC image or a GPU host). The repository's engine lifecycle:
+tests/export/test_engine_cache.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """``export.engine_cache``: keys, a plan for every servable version, the cache, the checked build.
 
 TensorRT cannot be installed here: the build is a fake that writes what it was asked for, and the
-check is faked too; ``tests/test_engine_check.py`` checks the comparison itself with ONNX Runtime standing
-in for the engine, and the real build + check run only where TensorRT is installed.
+check is faked too; ``tests/export/test_engine_check.py`` checks the comparison itself with ONNX Runtime
+standing in for the engine, and the real build + check run only where TensorRT is installed.
 """
 
 from __future__ import annotations
