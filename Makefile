@@ -17,8 +17,8 @@ TRITON_PORTS ?= 8000 8001 8002
 # (Triton with the 3.12 backend stub, the gateway, the compatible APIs) in a 3.12 venv of its own.
 PYTHON312 ?= python3.12
 VENV312 ?= .venv312
-PY312_TESTS ?= tests/test_triton_pipeline.py tests/test_api_flow.py tests/test_compat_deepstack.py \
-	tests/test_api_readable_errors.py tests/export/test_precision.py
+PY312_TESTS ?= tests/model_repository/test_triton_pipeline.py tests/test_api_flow.py \
+	tests/test_compat_deepstack.py tests/test_api_readable_errors.py tests/export/test_precision.py
 
 .PHONY: run test test-py312 setup models photos lint clean
 
@@ -59,7 +59,8 @@ test-py312: $(VENV312)/.test models photos
 	$(VENV312)/bin/python -m pytest -p no:cacheprovider $(PY312_TESTS)
 
 # Lint and types (part of `make test`): ruff over the tree, mypy --strict over the code; each model.py
-# alone (they share the module name `model`), typed against tests/fakes/triton_python_backend_utils.py.
+# alone (they share the module name `model`), typed against
+# tests/model_repository/fakes/triton_python_backend_utils.py (pyproject's mypy_path).
 lint: $(VENV)/.test
 	$(PY) -m ruff check .
 	$(PY) -m mypy facecore export service gallery recognition bench

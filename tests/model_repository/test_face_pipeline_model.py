@@ -20,7 +20,7 @@ import pytest
 from export.defaults import DefaultModels
 from facecore.onnx_runtime import create_session
 from tests import ROOT
-from tests.fakes import triton_python_backend_utils as fake
+from tests.model_repository.fakes import triton_python_backend_utils as fake
 
 PIPELINE_SOURCE = ROOT / "model_repository" / "face_pipeline" / "model.py"
 ONNX_SOURCE = ROOT / "model_repository" / "onnx_model" / "model.py"
