@@ -2,7 +2,7 @@
 
 Test modules load this file with ``pytest_plugins = ["tests.api_fixtures"]`` and never import it at
 run time (pytest must import it itself to rewrite its asserts); for annotations they import ``Api``
-under ``TYPE_CHECKING`` only. It loads ``tests.gallery_fixtures`` for the PostgreSQL scratch database
+under ``TYPE_CHECKING`` only. It loads ``tests.gallery.fixtures`` for the PostgreSQL scratch database
 (``pg_database``) and the engine-parametrized ``db_url``.
 
 ``start_api(...)`` builds ``create_app(GatewaySettings(...))`` and enters a ``TestClient`` as a context
@@ -30,7 +30,7 @@ from sqlalchemy.engine import make_url
 from facecore.settings import GatewaySettings
 from service.app import create_app
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 #: Keys of every error body, exactly.
 ERROR_KEYS = {"code", "message", "details"}

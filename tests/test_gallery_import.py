@@ -37,7 +37,7 @@ from service.launcher import TritonServer
 
 pytestmark = pytest.mark.triton
 #: ``store``: a migrated GalleryStore on SQLite and on PostgreSQL (every test runs on both).
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from gallery.store.db import Database
 from gallery.store.store import GalleryStore
 from service.auth import KeyStore, Principal, _hash
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 ADMIN = "admin-secret-for-tests"
 

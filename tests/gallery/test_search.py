@@ -16,9 +16,9 @@ from numpy.typing import NDArray
 from gallery.engines.batching import Arrays, Search, SearchBatcher
 from gallery.gallery import Gallery, SearchResult
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import MODEL, OTHER_MODEL, new_faces, unit_vectors
+from tests.gallery.helpers import MODEL, OTHER_MODEL, new_faces, unit_vectors
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 

@@ -14,9 +14,9 @@ from numpy.typing import NDArray
 from gallery.engines.batching import SearchBatcher
 from gallery.gallery import Gallery
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import MODEL, new_faces, unit_vectors
+from tests.gallery.helpers import MODEL, new_faces, unit_vectors
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 
 class Recorder:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from gallery.embeddings import row_scores
-from tests.gallery_helpers import unit_vectors
+from tests.gallery.helpers import unit_vectors
 
 
 def test_row_scores_are_the_inner_products() -> None:

@@ -29,9 +29,9 @@ from gallery.gallery import Gallery, SearchResult
 from gallery.replica import Replica
 from gallery.store.faces import FaceRecords
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import MODEL, GalleryFactory, assert_gallery_matches_db, new_faces, unit_vectors
+from tests.gallery.helpers import MODEL, GalleryFactory, assert_gallery_matches_db, new_faces, unit_vectors
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 #: float32 inner products (FAISS) against the float64 oracle; scores closer than this count as tied.

@@ -20,7 +20,7 @@ from gallery.gallery import Gallery
 from gallery.store.store import GalleryStore, NewFace
 from tests import ROOT
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 #: Saves a small index to argv[1] and SIGKILLs itself at the save's first fsync (the index written, staged).

@@ -25,7 +25,7 @@ from gallery.engines.faiss_engine import FaissIndex
 from gallery.engines.index import FaceIndex, IndexConfig, IndexKind
 from gallery.engines.refine import RefinedIndex, pq4_fast_scan, pq4_fast_scan_fine
 from gallery.engines.threads import SMALL_WORK
-from tests.gallery_helpers import unit_vectors
+from tests.gallery.helpers import unit_vectors
 
 
 def face_like(identities: int, per_identity: int, dimension: int, seed: int = 0) -> NDArray[np.float32]:

@@ -1,7 +1,7 @@
 """Fixtures and helpers for the gallery tests: every database test runs on SQLite and on PostgreSQL.
 
-Test modules load this file with ``pytest_plugins = ["tests.gallery_fixtures"]`` (never import it:
-pytest must import it itself to rewrite its asserts); helpers are in ``tests/gallery_helpers.py``.
+Test modules load this file with ``pytest_plugins = ["tests.gallery.fixtures"]`` (never import it:
+pytest must import it itself to rewrite its asserts); helpers are in ``tests/gallery/helpers.py``.
 
 PostgreSQL: one scratch database ``facerec_test_<random>`` per test session (created through an
 AUTOCOMMIT connection to the ``postgres`` database, dropped at the end), and a fresh ``public`` schema
@@ -26,7 +26,7 @@ from gallery.engines.milvus_lite import MilvusLite
 from gallery.gallery import Gallery
 from gallery.store.db import Database, create_db_engine, migrate
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import GalleryFactory
+from tests.gallery.helpers import GalleryFactory
 
 PG_ADMIN_URL = os.environ.get("FACEREC_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 

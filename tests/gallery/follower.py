@@ -1,4 +1,4 @@
-"""A read replica in its own process: ``python -m tests.gallery_follower URL COLLECTION [MILVUS_URI PREFIX]``
+"""A read replica in its own process: ``python -m tests.gallery.follower URL COLLECTION [MILVUS_URI PREFIX]``
 (with the last two, a gateway on that Milvus server: its index is Milvus, none in memory).
 
 It loads a Gallery on the shared database, starts the follower thread (``start_follower(0.1)``) and

@@ -1,12 +1,12 @@
 """A gallery writer that runs until it is killed:
-``python -m tests.gallery_crash_worker URL SNAPSHOTS SEED [MILVUS_URI PREFIX]`` (with the last two its
+``python -m tests.gallery.crash_worker URL SNAPSHOTS SEED [MILVUS_URI PREFIX]`` (with the last two its
 gallery's engine is that Milvus server, collection names starting with PREFIX).
 
 It migrates, loads the gallery (snapshots + replay), writes a first snapshot, then loops forever:
 random enrolls (new and existing identities, 1-4 faces), face deletes and identity deletes through
 GalleryStore, each followed by ``Gallery.sync()``, and a snapshot every few operations. It prints a
 line at each stage (``started``, ``migrating``, ``loading``, ``snapshotting``, ``running``) so that
-tests/test_gallery_consistency.py can SIGKILL it at a chosen moment.
+tests/gallery/test_consistency.py can SIGKILL it at a chosen moment.
 
 ``GALLERY_CRASH_PAUSE`` holds it still where a kill is otherwise hard to land: ``ddl`` stops inside
 the migration transaction right after its first CREATE TABLE of a gallery table (prints

@@ -1,7 +1,7 @@
 """Helpers for the gallery tests (raw SQL, synthetic faces, index-equals-database checks).
 
 Plain functions, imported by the test modules (so pytest does not rewrite their asserts: they carry
-their own messages); the fixtures live in ``tests/gallery_fixtures.py``.
+their own messages); the fixtures live in ``tests/gallery/fixtures.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sqlalchemy import Engine, text
 from gallery.gallery import Gallery
 from gallery.store.store import NewFace
 
-#: ``make_gallery(store, snapshot_dir=None, config=None)`` (the fixture in tests/gallery_fixtures.py)
+#: ``make_gallery(store, snapshot_dir=None, config=None)`` (the fixture in tests/gallery/fixtures.py)
 GalleryFactory = Callable[..., Gallery]
 
 MODEL = "test-model-v1"

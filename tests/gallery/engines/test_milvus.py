@@ -2,7 +2,8 @@
 erasure with compaction, isolation, re-embedding, settings, and gateways that hold no index.
 
 The behaviour shared with FAISS (search equal to brute force, thresholds, erasure, restarts, SIGKILL
-crashes, replicas) runs on both engines in tests/test_gallery_index.py and test_gallery_consistency.py.
+crashes, replicas) runs on both engines in tests/gallery/engines/test_index.py and
+tests/gallery/test_consistency.py.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from gallery.engines.milvus import MilvusEngine, MilvusIndex
 from gallery.engines.milvus_lite import MilvusLite
 from gallery.gallery import Gallery, open_gallery
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import MODEL, OTHER_MODEL, assert_gallery_matches_db, new_faces, unit_vectors
+from tests.gallery.helpers import MODEL, OTHER_MODEL, assert_gallery_matches_db, new_faces, unit_vectors
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 

@@ -9,9 +9,9 @@ from sqlalchemy import Engine, event, exc, literal_column, select, table
 
 from gallery.store.keys import _SIGNATURE, KeyRecords
 from gallery.store.store import _CHANGES, GalleryStore
-from tests.gallery_helpers import MODEL, new_faces, unit_vectors
+from tests.gallery.helpers import MODEL, new_faces, unit_vectors
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 

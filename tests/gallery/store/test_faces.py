@@ -14,9 +14,9 @@ from gallery.gallery import Gallery
 from gallery.store.faces import FaceRecords
 from gallery.store.models import ChangeOp
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import MODEL, db_faces, new_faces, sql_scalar, unit_vectors
+from tests.gallery.helpers import MODEL, db_faces, new_faces, sql_scalar, unit_vectors
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 #: More faces than a statement may have bind parameters: SQLite's 250,000 on some builds (32,766 by

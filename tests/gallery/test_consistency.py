@@ -27,8 +27,8 @@ from gallery.replica import Replica
 from gallery.store.db import Database, create_db_engine, migrate
 from gallery.store.store import GalleryStore
 from tests import ROOT
-from tests import gallery_crash_worker as worker
-from tests.gallery_helpers import (
+from tests.gallery import crash_worker as worker
+from tests.gallery.helpers import (
     MODEL,
     OTHER_MODEL,
     GalleryFactory,
@@ -39,7 +39,7 @@ from tests.gallery_helpers import (
     unit_vectors,
 )
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 
@@ -262,7 +262,7 @@ def kill_worker(db_url: str, snapshots: Path, seed: int, stage: str, delay: floa
                 pause: str = "", milvus: tuple[str, ...] = ()) -> None:
     """Start the worker, wait for ``stage``, let it run ``delay`` seconds more, SIGKILL it."""
     with log.open("wb") as stderr:
-        process = python_module("tests.gallery_crash_worker", db_url, str(snapshots), str(seed), *milvus,
+        process = python_module("tests.gallery.crash_worker", db_url, str(snapshots), str(seed), *milvus,
                                 stderr=stderr, env={"GALLERY_CRASH_PAUSE": pause})
         try:
             assert process.stdout is not None
@@ -347,7 +347,7 @@ def follower(db_url: str, store: GalleryStore, tmp_path: Path, make_gallery: Gal
         enroll(store, rng, "r", f"seed{number}", 2)
     log = tmp_path / "follower.log"
     with log.open("wb") as stderr:
-        process = python_module("tests.gallery_follower", db_url, "r", *milvus, stdin=subprocess.PIPE,
+        process = python_module("tests.gallery.follower", db_url, "r", *milvus, stdin=subprocess.PIPE,
                                 stderr=stderr)
         try:
             assert process.stdout is not None

@@ -23,7 +23,7 @@ from gallery.store.db import Polled, create_db_engine, migrate
 from gallery.store.models import Base, ChangeOp, Identity
 from gallery.store.store import GalleryStore
 from tests import ROOT
-from tests.gallery_helpers import (
+from tests.gallery.helpers import (
     MODEL,
     OTHER_MODEL,
     new_faces,
@@ -33,7 +33,7 @@ from tests.gallery_helpers import (
     without_times,
 )
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 

@@ -18,9 +18,9 @@ from gallery.gallery import SearchResult
 from gallery.store.faces import FaceRecords
 from gallery.store.models import ChangeOp
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import MODEL, GalleryFactory, new_faces, unit_vectors
+from tests.gallery.helpers import MODEL, GalleryFactory, new_faces, unit_vectors
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 16
 
