@@ -24,7 +24,7 @@ pytest_plugins = ["tests.live_fixtures"]
 
 pytestmark = pytest.mark.triton
 
-#: What the local import reports for the same folder (tests/test_gallery_import.py).
+#: What the local import reports for the same folder (tests/recognition/test_importer.py).
 EXPECTED = {"obama.jpg": "imported", "obama2.jpg": "imported", "obama3.jpg": "imported",
             "biden.jpg": "imported", "t1.jpg": "several_faces", "coffee.png": "no_face",
             "broken.jpg": "unreadable"}
