@@ -17,8 +17,9 @@ TRITON_PORTS ?= 8000 8001 8002
 # (Triton with the 3.12 backend stub, the gateway, the compatible APIs) in a 3.12 venv of its own.
 PYTHON312 ?= python3.12
 VENV312 ?= .venv312
-PY312_TESTS ?= tests/model_repository/test_triton_pipeline.py tests/test_api_flow.py \
-	tests/test_compat_deepstack.py tests/test_api_readable_errors.py tests/export/test_precision.py
+PY312_TESTS ?= tests/model_repository/test_triton_pipeline.py tests/service/test_api_flow.py \
+	tests/service/test_deepstack.py tests/service/test_api_readable_errors.py \
+	tests/export/test_precision.py
 
 .PHONY: run test test-py312 setup models photos lint clean
 

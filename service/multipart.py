@@ -5,7 +5,7 @@ about a tenth of the gateway's CPU per identify. ``split_form`` handles the plai
 ``Content-Disposition: form-data`` with quoted ``name`` and optional ``filename``, at most a
 ``Content-Type`` beside it, no preamble, a body without a ``charset``) and returns None for anything
 else, which then goes to Starlette's parser as before, with its errors and limits. Tested against
-Starlette's parser on bodies that httpx and urllib3 encode (tests/test_multipart.py).
+Starlette's parser on bodies that httpx and urllib3 encode (tests/service/test_multipart.py).
 """
 
 from __future__ import annotations

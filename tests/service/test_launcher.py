@@ -16,7 +16,7 @@ import pytest
 from service.launcher import TritonPorts, TritonServer, TritonStartError, http_status, stop_process
 from tests import ROOT
 from tests.conftest import free_ports
-from tests.test_supervisor import alive, wait_for
+from tests.service.test_supervisor import alive, wait_for
 
 pytestmark = pytest.mark.triton
 

@@ -1,6 +1,6 @@
 """Fixtures for the REST API tests: the real gateway on the real Triton, a real database and FAISS.
 
-Test modules load this file with ``pytest_plugins = ["tests.api_fixtures"]`` and never import it at
+Test modules load this file with ``pytest_plugins = ["tests.service.fixtures"]`` and never import it at
 run time (pytest must import it itself to rewrite its asserts); for annotations they import ``Api``
 under ``TYPE_CHECKING`` only. It loads ``tests.gallery.fixtures`` for the PostgreSQL scratch database
 (``pg_database``) and the engine-parametrized ``db_url``.

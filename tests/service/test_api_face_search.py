@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import Api
+    from tests.service.fixtures import Api
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 pytestmark = pytest.mark.triton
 

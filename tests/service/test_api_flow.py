@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import Api, StartApi
+    from tests.service.fixtures import Api, StartApi
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 pytestmark = pytest.mark.triton
 

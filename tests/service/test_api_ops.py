@@ -26,9 +26,9 @@ from service.logs import configure_logging
 from tests.conftest import free_ports
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import Api, StartApi
+    from tests.service.fixtures import Api, StartApi
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 pytestmark = pytest.mark.triton
 

@@ -2,8 +2,8 @@
 CompreFace and DeepStack SDKs, the REST importer): uvicorn on a free loopback port in a thread, serving
 ``create_app`` on the real Triton and a real database.
 
-Test modules load it with ``pytest_plugins = ["tests.live_fixtures"]`` (it loads ``tests.api_fixtures``
-for the Triton server, the admin key and the photos).
+Test modules load it with ``pytest_plugins = ["tests.service.live_fixtures"]`` (it loads
+``tests.service.fixtures`` for the Triton server, the admin key and the photos).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from facecore.settings import GatewaySettings
 from service.app import create_app
 from tests.readme_runner import serve
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 
 @dataclass(frozen=True)

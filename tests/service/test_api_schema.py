@@ -29,9 +29,9 @@ from facecore.settings import GatewaySettings
 from service.app import create_app
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import Api, StartApi
+    from tests.service.fixtures import Api, StartApi
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 pytestmark = pytest.mark.triton
 

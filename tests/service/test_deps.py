@@ -39,7 +39,7 @@ def test_fastapis_own_telemetry_is_off(tmp_path: Any) -> None:
     from fastapi import FastAPI
 
     from service.app import create_app
-    from tests.api_fixtures import make_settings
+    from tests.service.fixtures import make_settings
 
     app = create_app(make_settings("127.0.0.1:1", f"sqlite:///{tmp_path}/g.db", tmp_path, "k" * 32))
     if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
@@ -50,7 +50,8 @@ def test_fastapis_own_telemetry_is_off(tmp_path: Any) -> None:
 
 #: The recognition routes (nearly every request) and enroll, and the dependencies FastAPI solves for each on
 #: every request: one, ``admitted`` / ``admitted_collection``, which calls the key's two schemes itself;
-#: the route checks ``k`` and holds its admission slot (tests/test_api_ops.py checks every such route does).
+#: the route checks ``k`` and holds its admission slot (tests/service/test_api_ops.py checks every such route
+#: does).
 RECOGNITION = {("POST", "/v1/collections/{collection}/identify"): 1, ("POST", "/v1/detect"): 1,
                ("POST", "/v1/verify"): 1, ("POST", "/v1/collections/{collection}/identify/batch"): 1,
                ("POST", "/v1/collections/{collection}/identities/{external_id}/verify"): 1,

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from tests.live_fixtures import StartLive
+    from tests.service.live_fixtures import StartLive
 
-pytest_plugins = ["tests.live_fixtures"]
+pytest_plugins = ["tests.service.live_fixtures"]
 
 NO_TRITON = "127.0.0.1:1"  # these requests are refused before anything reaches Triton
 

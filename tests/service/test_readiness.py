@@ -19,9 +19,9 @@ from service.readiness import RETRY_S, RecognitionCheck
 from tests.facecore.test_probe import faces
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import StartApi
+    from tests.service.fixtures import StartApi
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 
 class FakePipeline:

@@ -12,9 +12,9 @@ import requests
 from deepstack.core import DeepstackException, DeepstackFace, get_recognized_faces
 
 if TYPE_CHECKING:
-    from tests.live_fixtures import Live, StartLive
+    from tests.service.live_fixtures import Live, StartLive
 
-pytest_plugins = ["tests.live_fixtures"]
+pytest_plugins = ["tests.service.live_fixtures"]
 
 pytestmark = pytest.mark.triton
 

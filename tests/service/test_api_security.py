@@ -18,9 +18,9 @@ from fastapi.dependencies.models import Dependant
 from service.deps import admin, admitted, admitted_collection, collection_access, principal
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import Api
+    from tests.service.fixtures import Api
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 pytestmark = pytest.mark.triton
 

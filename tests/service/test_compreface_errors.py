@@ -21,9 +21,9 @@ from service.compreface import compreface_error, render
 from service.errors import ApiError, Overloaded, Timeout, Unavailable
 
 if TYPE_CHECKING:
-    from tests.api_fixtures import Api, StartApi
+    from tests.service.fixtures import Api, StartApi
 
-pytest_plugins = ["tests.api_fixtures"]
+pytest_plugins = ["tests.service.fixtures"]
 
 FACES = "/api/v1/recognition/faces"
 UNAVAILABLE = "StatusCode.UNAVAILABLE"

@@ -17,9 +17,9 @@ from service.app import create_app
 from service.routers.deepstack import _render
 
 if TYPE_CHECKING:
-    from tests.live_fixtures import Live, StartLive
+    from tests.service.live_fixtures import Live, StartLive
 
-pytest_plugins = ["tests.live_fixtures"]
+pytest_plugins = ["tests.service.live_fixtures"]
 
 NOT_AN_IMAGE = b"not an image"
 UNAVAILABLE = "StatusCode.UNAVAILABLE"
