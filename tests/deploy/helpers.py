@@ -1,5 +1,5 @@
-"""Paths and small parsers shared by the deployment tests (tests/test_deploy*.py); their fixtures are in
-tests/deploy_fixtures.py, the Compose loader in tests/compose_files.py."""
+"""Paths and small parsers shared by the deployment tests (tests/deploy/); their fixtures are in
+tests/deploy/fixtures.py, the Compose loader in tests/deploy/compose_files.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The images' entrypoints, run here with fakes: the stub extraction, and the gateway's settings from the
 compose environment (deploy/gateway/entrypoint.py). The Triton entrypoint (engines, host sizing):
-tests/test_deploy_gpu.py. See tests/test_deploy.py for the other deployment checks."""
+tests/deploy/test_gpu.py. See tests/deploy/test_compose.py for the other deployment checks."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.deploy_helpers import DEPLOY, clear_facerec_env, load_module
+from tests.deploy.helpers import DEPLOY, clear_facerec_env, load_module
 
-pytest_plugins = ["tests.deploy_fixtures"]
+pytest_plugins = ["tests.deploy.fixtures"]
 
 
 def test_stub_extraction_checks_hashes(tmp_path: Path) -> None:

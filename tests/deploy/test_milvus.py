@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from tests import ROOT
-from tests.compose_files import load_compose, load_model, plain, variables
-from tests.deploy_helpers import COMPOSE, K8S, need
-from tests.test_deploy import SCHEMA, compose_problems
+from tests.deploy.compose_files import load_compose, load_model, plain, variables
+from tests.deploy.helpers import COMPOSE, K8S, need
+from tests.deploy.test_compose import SCHEMA, compose_problems
 
-pytest_plugins = ["tests.deploy_fixtures"]
+pytest_plugins = ["tests.deploy.fixtures"]
 
 MILVUS_COMPOSE = ROOT / "docker-compose.milvus.yml"
 HELM = K8S / "milvus"

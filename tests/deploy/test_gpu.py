@@ -1,7 +1,7 @@
 """The GPU deployment: Triton healthchecks that run the recognition probe, the NGC entrypoint chain,
 the engine lifecycle in the image's entrypoint, and the face_pipeline instance count sized to the host.
 
-Static and offline, like tests/test_deploy.py: nothing here builds an image or needs a GPU.
+Static and offline, like tests/deploy/test_compose.py: nothing here builds an image or needs a GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from export import engine_cache, engine_check
 from export.engine_cache import engine_slots
 from facecore.probe import PROBE_FILE
 from tests import ROOT
-from tests.deploy_helpers import load_module
+from tests.deploy.helpers import load_module
 from tests.export.test_engine_cache import H100, L4, FakeTensorRT, trt_model
 
 DEPLOY = ROOT / "deploy"

@@ -1,6 +1,6 @@
 """The Dockerfiles, parsed with BuildKit's parser (the `dockerfile` package): pinned bases, non-root users,
 healthchecks, COPY sources present and not excluded by .dockerignore, and the dependencies of what runs in
-each image. See tests/test_deploy.py for the other deployment checks."""
+each image. See tests/deploy/test_compose.py for the other deployment checks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import ROOT
-from tests.deploy_helpers import (
+from tests.deploy.helpers import (
     DEPLOY,
     DOCKERFILES,
     base_images,

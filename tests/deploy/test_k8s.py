@@ -1,6 +1,6 @@
 """Kubernetes (deploy/k8s): every manifest against the official schemas (kubernetes-validate, strict), the
-ServiceMonitor CRD structurally, and the references between the objects. See tests/test_deploy.py for the
-other deployment checks."""
+ServiceMonitor CRD structurally, and the references between the objects. See tests/deploy/test_compose.py for
+the other deployment checks."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.compose_files import read_env_file
-from tests.deploy_helpers import DOCKERFILES, K8S, clear_facerec_env, exposed_ports, need
+from tests.deploy.compose_files import read_env_file
+from tests.deploy.helpers import DOCKERFILES, K8S, clear_facerec_env, exposed_ports, need
 
-pytest_plugins = ["tests.deploy_fixtures"]
+pytest_plugins = ["tests.deploy.fixtures"]
 
 #: Oldest and newest Kubernetes minor versions the manifests are validated against.
 K8S_VERSIONS = ("1.27", "1.37")

@@ -1,5 +1,6 @@
-"""tests/compose_files.py against small inline Compose files, with the results the Compose Specification
-gives ("Interpolation", "Merge and override"; the examples there are used where it has them)."""
+"""tests/deploy/compose_files.py against small inline Compose files, with the results the Compose
+Specification gives ("Interpolation", "Merge and override"; the examples there are used where it has
+them)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.compose_files import (
+from tests.deploy.compose_files import (
     InterpolationError,
     Mount,
     Override,

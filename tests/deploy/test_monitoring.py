@@ -1,6 +1,6 @@
 """Prometheus and Grafana: the scrape targets match compose services and ports, and every dashboard query
 names a metric that the gateway exports (service/metrics.py) or that Triton 2.51 exports. See
-tests/test_deploy.py for the other deployment checks."""
+tests/deploy/test_compose.py for the other deployment checks."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.compose_files import port_spec, volume_mount
-from tests.deploy_helpers import DEPLOY, container_port
+from tests.deploy.compose_files import port_spec, volume_mount
+from tests.deploy.helpers import DEPLOY, container_port
 
-pytest_plugins = ["tests.deploy_fixtures"]
+pytest_plugins = ["tests.deploy.fixtures"]
 
 #: Metrics of Triton 2.51: those of the bundled server (read from its /metrics), plus the GPU metrics
 #: that the NGC server adds (Triton docs, "Metrics"); name -> labels.
