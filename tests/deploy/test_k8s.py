@@ -114,7 +114,7 @@ def test_k8s_triton(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"].startswith("/v2/health/")
-    assert "facecore.probe" in container["readinessProbe"]["exec"]["command"]  # see test_deploy_gpu.py
+    assert "facecore.probe" in container["readinessProbe"]["exec"]["command"]  # see test_gpu.py
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 900, "first start: engine build"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
