@@ -145,7 +145,7 @@ def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path
                                           exported_precisions: dict[str, str]) -> None:
     """served (OpenVINO at the served precisions), served-onnxruntime and plain (ONNX Runtime, the float
     detector) each run what they say and find the same faces (that their decisions agree is
-    tests/test_work_reduction.py's)."""
+    tests/export/test_work_reduction.py's)."""
     models = served_models(cpu_repository)
     data = {name: photos[name].read_bytes() for name in ("obama.jpg", "obama2.jpg", "t1.jpg")}
     plain_models = plain.prepare(models, data, tmp_path / "sface.prelu.onnx").models

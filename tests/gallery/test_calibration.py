@@ -17,9 +17,9 @@ from gallery.calibration import MIN_PAIRS, cross_identity_tail, decide, one_to_o
 from gallery.store.db import Database, create_db_engine, migrate
 from gallery.store.models import ChangeOp
 from gallery.store.store import GalleryStore
-from tests.gallery_helpers import MODEL, GalleryFactory, new_faces
+from tests.gallery.helpers import MODEL, GalleryFactory, new_faces
 
-pytest_plugins = ["tests.gallery_fixtures"]
+pytest_plugins = ["tests.gallery.fixtures"]
 
 DIM = 32
 

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from tests.live_fixtures import Live, StartLive
+    from tests.service.live_fixtures import Live, StartLive
 
-pytest_plugins = ["tests.live_fixtures"]
+pytest_plugins = ["tests.service.live_fixtures"]
 
 pytestmark = pytest.mark.triton
 

@@ -48,8 +48,8 @@ from recognition.openset import (
     evaluate_size,
 )
 from service.launcher import TritonServer
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DIM = 64
 K = 50  # identities of the planted set
 FIXED = 0.363
