@@ -154,23 +154,29 @@ def _rejected(genuine: GenuineScores | None, threshold: float) -> float | None:
 
 def cross_identity_tail(identities: NDArray[np.int64], vectors: NDArray[np.float32],
                         max_pairs: int = MAX_PAIRS, seed: int = 0) -> ScoreTail | None:
-    """The impostor tail of a collection's own faces: sampled faces against every face of the other
-    identities (all faces when that stays within ``max_pairs``). None when there are too few pairs."""
+    """The impostor tail of a collection's own faces: every cross-identity pair when there are at most
+    ``max_pairs``, else a sample of faces against a sample of faces, as many of each (about
+    sqrt(max_pairs)). Pairs that share a face are alike, so a few faces against every other face would
+    measure the far tail from a few hundred faces' look-alikes: a square sample spreads the same pairs
+    over a hundred times more faces. None when there are too few pairs."""
     count = len(identities)
     if count < 2:
         return None
     rng = np.random.default_rng(seed)
-    probes = min(count, max(1, max_pairs // count))
-    chosen = np.sort(rng.choice(count, probes, replace=False)) if probes < count else np.arange(count)
+    every = count * (count - 1) // 2 <= max_pairs
+    side = count if every else min(count, math.isqrt(max_pairs))
+    rows = np.sort(rng.choice(count, side, replace=False)) if side < count else np.arange(count)
+    columns = rows if every else np.sort(rng.choice(count, min(count, max_pairs // side), replace=False))
     edges = np.arange(-1.0, 1.0 + BIN / 2, BIN)
     counts = np.zeros(len(edges) - 1, dtype=np.int64)
-    block = max(1, 4_000_000 // max(count, 1))  # rows of scores held at once: tens of MB
-    for start in range(0, len(chosen), block):
-        rows = chosen[start:start + block]
-        scores = vectors[rows] @ vectors.T
-        other = identities[rows][:, None] != identities[None, :]
-        if probes == count:  # every pair twice otherwise: keep each once
-            other &= np.arange(count)[None, :] > rows[:, None]
+    against, owners = vectors[columns], identities[columns]
+    block = max(1, 4_000_000 // len(columns))  # rows of scores held at once: tens of MB
+    for start in range(0, len(rows), block):
+        chosen = rows[start:start + block]
+        scores = vectors[chosen] @ against.T
+        other = identities[chosen][:, None] != owners[None, :]
+        if every:  # every pair twice otherwise: keep each once
+            other &= columns[None, :] > chosen[:, None]
         bins = np.clip(((scores[other] + 1.0) / BIN).astype(np.int64), 0, len(counts) - 1)
         counts += np.bincount(bins, minlength=len(counts))
     if counts.sum() < MIN_PAIRS:
