@@ -4,6 +4,9 @@ fitted to them (issue 40's targets; docs/calibration.md has the results).
 - ``faces``: the labelled folder of every real face this machine has (the pinned photos, and the
   CompreFace sample photos in ``../shared/faces`` where present), one subfolder per person, group photos
   cropped around each annotated face. ``python -m recognition evaluate --folder`` measures it.
+- ``synthetic``: labelled embeddings drawn from that fitted model, several faces per person, in the file
+  format of ``python -m recognition evaluate`` (``--embeddings``): how the fusions compare where people
+  have many faces, which the real faces cannot show.
 - ``run``: galleries of ``--sizes`` synthetic identities drawn from a model fitted to half of the real
   identities (their impostor and genuine score statistics), the other half kept as real strangers. At
   each size, strangers matched to somebody (FPIR) and genuine probes missed (FNIR) at the threshold the
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -108,15 +112,16 @@ def _faces(client: PipelineClient, path: Path, noses: list[tuple[int, int]] | No
 @dataclass(frozen=True)
 class Generator:
     """Faces as unit vectors: an identity's centre is the real faces' mean (scaled) plus a Gaussian in
-    their principal directions (scaled), isotropic noise, and a shared direction for its group (a group:
-    people who look alike, a demographic); each face is its centre plus isotropic noise of its own size,
+    their principal directions (scaled), isotropic noise, and the direction of its group (a group: people
+    who look alike, a demographic; the groups are the population's, the same for every draw: strangers
+    belong to them as much as the enrolled do); each face is its centre plus isotropic noise of its own size,
     drawn so that two faces of one person score like the real genuine pairs (mean, sd)."""
 
     mean: Vectors
     axes: Vectors  # [k, d] principal directions scaled by their standard deviations
     spread: float
     noise: float
-    groups: int
+    shared: Vectors  # [groups, d] the groups' directions
     group_weight: float
     genuine_mean: float
     genuine_sd: float
@@ -125,8 +130,8 @@ class Generator:
         d = self.mean.size
         centres = (self.mean + self.spread * rng.standard_normal((count, len(self.axes))) @ self.axes
                    + self.noise * rng.standard_normal((count, d)))
-        shared = self.mean + self.spread * rng.standard_normal((self.groups, len(self.axes))) @ self.axes
-        return _unit(centres + self.group_weight * shared[rng.integers(0, self.groups, count)])
+        group = rng.integers(0, len(self.shared), count)
+        return _unit(centres + self.group_weight * self.shared[group])
 
     def faces(self, centres: Vectors, rng: np.random.Generator) -> Vectors:
         # a face at noise t scores about 1 / sqrt(1 + t^2) with its centre, so two faces of qualities q1, q2
@@ -166,10 +171,13 @@ def fit_generator(faces: Vectors, labels: list[str], seed: int = 0) -> tuple[Gen
         for noise in (0.0, 0.05, 0.1):
             for groups, weight in ((1, 0.0), (30, 0.5), (100, 0.7), (100, 0.9)):
                 for shrink in (0.7, 0.85, 1.0):
-                    made = Generator(first.mean(0).astype(np.float32) * shrink, scaled, spread, noise, groups,
-                                     weight, genuine, genuine_sd)
-                    sample = made.faces(made.identities(3000, rng), rng)
-                    got = _stats((sample[:1500] @ sample[1500:].T).ravel())
+                    mean = first.mean(0).astype(np.float32) * shrink
+                    shared = (mean + spread * rng.standard_normal((groups, len(scaled))) @ scaled)
+                    made = Generator(mean, scaled, spread, noise, shared.astype(np.float32), weight, genuine,
+                                     genuine_sd)
+                    strangers = made.faces(made.identities(1500, rng), rng)  # drawn apart, as in a run
+                    enrolled = made.faces(made.identities(1500, rng), rng)
+                    got = _stats((strangers @ enrolled.T).ravel())
                     error = float(np.abs(got - target) @ np.array([1.0, 1.0, 1.0, 0.5]))
                     if best is None or error < best[0]:
                         best = (error, made, got)
@@ -274,6 +282,29 @@ def _rate(counts: tuple[int, int]) -> str:
     return f"{100 * k / n:.2f} % ({k}/{n})" if n else "—"
 
 
+def _real(path: Path) -> tuple[Vectors, list[str]]:
+    """The faces and their people in an ``evaluate`` embeddings file."""
+    data = np.load(path)
+    names = [str(x) for x in data["names"]]
+    return data["vectors"].astype(np.float32), [names[i] for i in data["identities"]]
+
+
+def write_synthetic(args: argparse.Namespace) -> None:
+    faces, labels = _real(args.embeddings)
+    generator, _ = fit_generator(faces, labels)
+    rng = np.random.default_rng(7)
+    centres = generator.identities(args.identities, rng)
+    vectors = generator.faces(np.repeat(centres, args.faces, axis=0), rng)
+    names = [f"p{i:05d}" for i in range(args.identities)]
+    identities = np.repeat(np.arange(args.identities), args.faces)
+    model = {"name": "synthetic", "match_threshold": args.fixed, "score_reference": {},
+             "folder": f"synthetic ({args.identities} x {args.faces}, fitted to {args.embeddings.name})",
+             "failed": []}
+    np.savez_compressed(args.out, vectors=vectors, identities=identities, names=np.array(names),
+                        paths=np.array([f"{names[i]}/{k:02d}.png" for i in range(args.identities)
+                                        for k in range(args.faces)]), model=np.array(json.dumps(model)))
+
+
 def _split(labels: list[str]) -> tuple[list[int], list[int]]:
     """Real faces split by person, half to fit the generator and half as strangers (a stable hash)."""
     fit = [i for i, p in enumerate(labels) if zlib.crc32(p.encode()) % 2 == 0]
@@ -281,9 +312,7 @@ def _split(labels: list[str]) -> tuple[list[int], list[int]]:
 
 
 def run(args: argparse.Namespace) -> tuple[list[SizeRow], dict[str, Any]]:
-    data = np.load(args.embeddings)
-    names = [str(x) for x in data["names"]]
-    faces, labels = data["vectors"].astype(np.float32), [names[i] for i in data["identities"]]
+    faces, labels = _real(args.embeddings)
     fit_part, stranger_part = _split(labels)
     generator, fit = fit_generator(faces[fit_part], [labels[i] for i in fit_part])
     strangers = faces[stranger_part]
@@ -332,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     faces.add_argument("--out", type=Path, required=True)
     faces.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address (faces are cropped where "
                        "it detects them)")
+    synthetic = sub.add_parser("synthetic",
+                               help="labelled embeddings from the model fitted to the real faces")
+    synthetic.add_argument("--embeddings", type=Path, required=True, help="embeddings.npz of the real faces")
+    synthetic.add_argument("--identities", type=int, default=2000)
+    synthetic.add_argument("--faces", type=int, default=5, help="faces per identity")
+    synthetic.add_argument("--fixed", type=float, default=0.363, help="the model's fixed threshold")
+    synthetic.add_argument("--out", type=Path, required=True)
     measure = sub.add_parser("run", help="synthetic galleries fitted to the real faces")
     measure.add_argument("--embeddings", type=Path, required=True, help="embeddings.npz of "
                          "`python -m recognition evaluate --folder <faces> --out DIR`")
@@ -343,14 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--import-faces", type=int, default=100_000)
     measure.add_argument("--json", type=Path, help="raw numbers (docs/benchmarks/runs/)")
     measure.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "calibration.md")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "faces":
         print(json.dumps(build_faces(args.out, args.url), indent=1))
         return 0
+    if args.command == "synthetic":
+        write_synthetic(args)
+        return 0
     rows, result = run(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
-    text = report(rows, result, "python -m bench.calibration " + " ".join(argv or []))
+    text = report(rows, result, "python -m bench.calibration " + " ".join(argv))
     write_section(args.out, "calibration", text)
     print(text)
     return 0
