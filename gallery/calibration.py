@@ -47,6 +47,8 @@ BIN = 1e-3
 REFIT_GROWTH = 1.5
 #: Genuine probes rejected beyond this share make a collection's target one it cannot keep usefully.
 WEAK = 0.5
+#: A target a model keeps usefully only below this many faces is worth a warning from the start.
+SMALL = 1_000
 #: A fixed threshold that lets more than this share of strangers match somebody is worth a warning.
 LOOSE = 0.05
 #: The highest confidence given: a probability from a model fitted to measured scores is never a certainty.
@@ -68,8 +70,21 @@ class Decision:
     genuine_rejected: float | None
     basis: str  # "collection", "reference", or "fixed"
     tail: ScoreTail | None
+    genuine: GenuineScores | None
     #: the confidence on ``facecore.scores.GRID`` (None: no score model, the stand-in logistic)
     curve: NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def useful_up_to(self) -> int | None:
+        """The most faces at which the target still lets at least half the genuine probes through (the
+        threshold rises with the faces; beyond this size it rejects most): None for a fixed threshold or
+        without a score model."""
+        if self.policy != FPIR or self.tail is None or self.genuine is None or self.target_fpir is None:
+            return None
+        q = self.tail.survival(self.genuine.mean)  # the genuine median: where half are rejected
+        if q <= 0.0:
+            return None
+        return max(0, int(math.log1p(-self.target_fpir) / math.log1p(-min(q, 1 - 1e-15))))
 
     @property
     def warning(self) -> str | None:
@@ -78,6 +93,10 @@ class Decision:
             return ("no impostor score model: the embedding model has no score reference and the "
                     "collection holds too few identities to measure its own; deciding at the model's fixed "
                     "threshold")
+        useful = self.useful_up_to
+        if useful is not None and self.faces < useful < SMALL:  # said before it happens
+            return (f"this model keeps strangers' matches at {_percent(self.target_fpir)} while letting most "
+                    f"genuine probes through only up to {useful} faces: beyond, its threshold rejects most")
         if self.policy == FPIR and self.genuine_rejected is not None and self.genuine_rejected > WEAK:
             return (f"at {self.faces} faces the threshold that keeps strangers' matches at "
                     f"{_percent(self.target_fpir)} rejects about {_percent(self.genuine_rejected)} of "
@@ -125,13 +144,13 @@ def decide(info: CollectionInfo, faces: int, reference: dict[str, Any]) -> Decis
     if info.match_policy != FPIR or info.target_fpir is None:
         fpir = None if tail is None else expected_fpir(tail, info.match_threshold, faces)
         return Decision(FIXED, info.match_threshold, faces, None, fpir,
-                        _rejected(genuine, info.match_threshold), "fixed", tail, curve)
+                        _rejected(genuine, info.match_threshold), "fixed", tail, genuine, curve)
     if tail is None:
         return Decision(FPIR, info.match_threshold, faces, info.target_fpir, None,
-                        _rejected(genuine, info.match_threshold), "fixed", None)
+                        _rejected(genuine, info.match_threshold), "fixed", None, genuine)
     threshold = max(threshold_for(tail, info.target_fpir, faces), info.match_threshold)
     return Decision(FPIR, threshold, faces, info.target_fpir, expected_fpir(tail, threshold, faces),
-                    _rejected(genuine, threshold), basis, tail, curve)
+                    _rejected(genuine, threshold), basis, tail, genuine, curve)
 
 
 def _curve(tail: ScoreTail | None, genuine: GenuineScores | None, faces: int) -> NDArray[np.float64] | None:
@@ -145,7 +164,7 @@ def one_to_one(threshold: float, reference: dict[str, Any], comparisons: int = 1
     fpir = None if tail is None else expected_fpir(tail, threshold, comparisons)
     genuine = reference_genuine(reference)
     return Decision(FIXED, threshold, comparisons, None, fpir, _rejected(genuine, threshold), "fixed", tail,
-                    _curve(tail, genuine, comparisons))
+                    genuine, _curve(tail, genuine, comparisons))
 
 
 def _rejected(genuine: GenuineScores | None, threshold: float) -> float | None:

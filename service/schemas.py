@@ -136,6 +136,9 @@ class DecisionOut(BaseModel):
                     "reference: the embedding model's reference; fixed: a fixed threshold")
     confidence_at_threshold: float = Field(description="the confidence of a candidate scoring exactly the "
                                            "threshold (candidates' confidences are compared with it)")
+    useful_up_to: int | None = Field(description="fpir policy: the most faces at which its threshold still "
+                                     "lets at least half the genuine probes through (it rises as the "
+                                     "collection grows); null for a fixed threshold or without a score model")
     warning: str | None = Field(description="set when the policy cannot be kept usefully at this size")
 
 

@@ -29,6 +29,7 @@ def collection_out(info: CollectionInfo, decision: Decision) -> schemas.Collecti
                                expected_fpir=_rounded(decision.expected_fpir),
                                genuine_rejected=_rounded(decision.genuine_rejected), basis=decision.basis,
                                confidence_at_threshold=round(decision.confidence(decision.threshold), 4),
+                               useful_up_to=decision.useful_up_to,
                                warning=decision.warning)
     return schemas.CollectionOut(name=info.name, embedding_model=info.embedding_model,
                                  dimension=info.dimension, match_threshold=info.match_threshold,

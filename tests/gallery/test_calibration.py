@@ -234,3 +234,15 @@ def test_a_sampled_tail_is_close_to_every_pairs_tail() -> None:
     assert exact.pairs == 3000 * 2999 // 2 and 350_000 < sampled.pairs <= 400_000
     for q in (1e-2, 1e-3, 1e-4):
         assert sampled.score_at(q) == pytest.approx(exact.score_at(q), abs=0.02), q
+
+
+def test_a_weak_model_says_from_the_start_how_large_it_can_grow(store: GalleryStore) -> None:
+    info = store.create_collection("early", MODEL, DIM, 0.3, target_fpir=0.01)
+    weak = reference(mean=0.45, sd=0.12)
+    fresh, grown = decide(info, 0, weak), decide(info, 100_000, weak)
+    assert fresh.useful_up_to is not None and fresh.useful_up_to < 1_000
+    assert fresh.warning is not None and f"only up to {fresh.useful_up_to} faces" in fresh.warning
+    assert grown.warning is not None and "rejects about" in grown.warning
+    strong = decide(info, 0, reference())
+    assert strong.useful_up_to is not None and strong.useful_up_to > 10**6 and strong.warning is None
+    assert decide(store.create_collection("plain", MODEL, DIM, 0.3), 0, weak).useful_up_to is None
