@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 from gallery.embeddings import decode_vector
 from gallery.errors import Conflict, NotFound
 from gallery.store.db import Database
-from gallery.store.models import ChangeOp, Collection, Face, FaceChange, Identity
-from gallery.store.store import FaceInfo, GalleryStore, _face_info
+from gallery.store.models import ChangeOp, Face, FaceChange, Identity
+from gallery.store.store import FaceInfo, GalleryStore, _face_info, collection_row
 
 
 @dataclass(frozen=True)
@@ -33,17 +33,10 @@ class FaceRecords:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    @staticmethod
-    def _collection(session: Session, name: str) -> Collection:
-        row = session.scalar(select(Collection).where(Collection.name == name))
-        if row is None:
-            raise NotFound(f"collection {name!r} does not exist", collection=name)
-        return row
-
     def get(self, collection: str, face_id: int) -> StoredFace:
         """One face of the collection with its identity's external id and its embedding."""
         with self.db.read() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             row = session.execute(select(Face, Identity.external_id)
                                   .join(Identity, Identity.id == Face.identity_id)
                                   .where(Face.id == face_id, Face.collection_id == owner.id)).first()
@@ -57,7 +50,7 @@ class FaceRecords:
         """Faces (with their identity's external id) of the collection or of one identity, by face id;
         and how many there are in all."""
         with self.db.read() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             query = (select(Face, Identity.external_id).join(Identity, Identity.id == Face.identity_id)
                      .where(Face.collection_id == owner.id))
             if external_id is not None:
@@ -84,7 +77,7 @@ class FaceRecords:
     def delete_faces_of(self, collection: str, external_id: str | None) -> int:
         """Delete every face of one identity (or of the whole collection); the identities stay."""
         with self.db.write() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             if external_id is None:
                 return self._remove(session, owner.id)
             identity = session.scalar(select(Identity.id).where(Identity.collection_id == owner.id,
@@ -94,7 +87,7 @@ class FaceRecords:
     def delete_identities(self, collection: str) -> int:
         """Erase every identity of the collection with its faces; returns how many identities."""
         with self.db.write() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             self._remove(session, owner.id)
             count = session.scalar(select(func.count()).where(Identity.collection_id == owner.id)) or 0
             session.execute(delete(Identity).where(Identity.collection_id == owner.id))
@@ -106,7 +99,7 @@ class FaceRecords:
         if not new:
             raise ValueError("the new external id must not be empty")
         with self.db.write() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             source = session.scalar(select(Identity).where(Identity.collection_id == owner.id,
                                                            Identity.external_id == old))
             if source is None:

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import bindparam, func, select
-from sqlalchemy.orm import Session
 
 from gallery.errors import NotFound
 from gallery.store.db import Database
 from gallery.store.models import ApiKey, Collection, utcnow
+from gallery.store.store import collection_row
 
 #: Every authenticated request runs this: built once (statement construction costs as much as the query).
 _FIND = (select(ApiKey.id, Collection.name).join(Collection, Collection.id == ApiKey.collection_id)
@@ -50,24 +50,17 @@ class KeyRecords:
         count, revoked, total = self._signature.rows()[0]
         return int(count), int(revoked), int(total)
 
-    @staticmethod
-    def _owner(session: Session, collection: str) -> Collection:
-        owner = session.scalar(select(Collection).where(Collection.name == collection))
-        if owner is None:
-            raise NotFound(f"collection {collection!r} does not exist", collection=collection)
-        return owner
-
     def add(self, collection: str, prefix: str, key_hash: str, label: str) -> KeyInfo:
         with self.db.write() as session:
-            row = ApiKey(collection_id=self._owner(session, collection).id, prefix=prefix, key_hash=key_hash,
-                         label=label)
+            owner = collection_row(session, collection)
+            row = ApiKey(collection_id=owner.id, prefix=prefix, key_hash=key_hash, label=label)
             session.add(row)
             session.flush()
             return KeyInfo(row.id, collection, prefix, label, row.created_at, None)
 
     def list(self, collection: str) -> list[KeyInfo]:
         with self.db.read() as session:
-            owner = self._owner(session, collection)
+            owner = collection_row(session, collection)
             rows = session.scalars(select(ApiKey).where(ApiKey.collection_id == owner.id).order_by(ApiKey.id))
             return [KeyInfo(r.id, collection, r.prefix, r.label, r.created_at, r.revoked_at) for r in rows]
 

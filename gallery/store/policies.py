@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
-
-from gallery.errors import NotFound
 from gallery.store.db import Database
 from gallery.store.models import ChangeOp, Collection, FaceChange
-from gallery.store.store import CollectionInfo, _collection_info
+from gallery.store.store import CollectionInfo, _collection_info, collection_row
 
 
 class CollectionPolicies:
@@ -29,9 +26,7 @@ class CollectionPolicies:
         if match_threshold is not None and not -1.0 <= match_threshold <= 1.0:
             raise ValueError("a threshold is in [-1, 1]")
         with self.db.write() as session:
-            row = session.scalar(select(Collection).where(Collection.name == collection))
-            if row is None:
-                raise NotFound(f"collection {collection!r} does not exist", collection=collection)
+            row = collection_row(session, collection)
             row.match_policy = "fixed" if target_fpir is None else "fpir"
             row.target_fpir = target_fpir
             if match_threshold is not None:

@@ -107,8 +107,7 @@ class NewFace:
 
 
 class Change(NamedTuple):
-    """One row of the change log (a tuple: a follower reads thousands at a time, and tuples are several
-    times cheaper to make than frozen dataclasses with each value converted)."""
+    """One row of the change log (a tuple: a follower reads thousands at a time, made cheaply)."""
 
     seq: int
     collection_id: int
@@ -125,6 +124,14 @@ def check_model(info: CollectionInfo, embedding_model: str) -> None:
     if info.embedding_model != embedding_model:
         raise ModelMismatch(f"collection {info.name!r} holds {info.embedding_model} embeddings, "
                             f"not {embedding_model}", expected=info.embedding_model, got=embedding_model)
+
+
+def collection_row(session: Session, name: str) -> Collection:
+    """The collection's row in this session; ``NotFound`` when there is none of that name."""
+    row = session.scalar(select(Collection).where(Collection.name == name))
+    if row is None:
+        raise NotFound(f"collection {name!r} does not exist", collection=name)
+    return row
 
 
 def _collection_info(row: Collection) -> CollectionInfo:
@@ -152,11 +159,7 @@ class GalleryStore:
 
     # --- collections ------------------------------------------------------------------------
 
-    def _collection(self, session: Session, name: str) -> Collection:
-        row = session.scalar(select(Collection).where(Collection.name == name))
-        if row is None:
-            raise NotFound(f"collection {name!r} does not exist", collection=name)
-        return row
+
 
     def create_collection(self, name: str, embedding_model: str, dimension: int, match_threshold: float,
                           keep_crops: bool = True, target_fpir: float | None = None) -> CollectionInfo:
@@ -179,7 +182,7 @@ class GalleryStore:
 
     def get_collection(self, name: str) -> CollectionInfo:
         with self.db.read() as session:
-            return _collection_info(self._collection(session, name))
+            return _collection_info(collection_row(session, name))
 
     def list_collections(self) -> list[CollectionInfo]:
         with self.db.read() as session:
@@ -188,7 +191,7 @@ class GalleryStore:
     def delete_collection(self, name: str) -> int:
         """Delete a collection with everything in it; returns the number of faces removed."""
         with self.db.write() as session:
-            collection = self._collection(session, name)
+            collection = collection_row(session, name)
             count = session.scalar(select(func.count()).where(Face.collection_id == collection.id)) or 0
             self._log(session, collection.id, [(0, 0)], ChangeOp.DROP)
             session.execute(delete(Face).where(Face.collection_id == collection.id))
@@ -211,7 +214,7 @@ class GalleryStore:
             raise ValueError("external_id must not be empty")
         try:
             with self.db.write() as session:
-                owner = self._collection(session, collection)
+                owner = collection_row(session, collection)
                 row = Identity(collection_id=owner.id, external_id=external_id, name=name,
                                attributes=dict(metadata or {}))
                 session.add(row)
@@ -223,13 +226,13 @@ class GalleryStore:
 
     def get_identity(self, collection: str, external_id: str) -> IdentityInfo:
         with self.db.read() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             return _identity_info(self._identity(session, owner.id, external_id))
 
     def list_identities(self, collection: str, offset: int = 0, limit: int = 50,
                         name_contains: str | None = None) -> tuple[list[IdentityInfo], int]:
         with self.db.read() as session:
-            query = select(Identity).where(Identity.collection_id == self._collection(session, collection).id)
+            query = select(Identity).where(Identity.collection_id == collection_row(session, collection).id)
             if name_contains:
                 query = query.where(
                     func.lower(Identity.name).contains(name_contains.lower(), autoescape=True))
@@ -238,18 +241,17 @@ class GalleryStore:
             return [_identity_info(r) for r in rows], int(total)
 
     def external_ids(self, collection: str) -> list[str]:
-        """Every identity's external id, in creation order, in one query (the compatible APIs list them all:
-        paging through ``list_identities`` counted the collection again and skipped an OFFSET per page,
-        a cost growing with the square of the collection)."""
+        """Every identity's external id, in creation order, in one query (the compatible APIs list them all;
+        paging with OFFSET would cost the square of the collection)."""
         with self.db.read() as session:
-            owner = self._collection(session, collection).id
+            owner = collection_row(session, collection).id
             query = select(Identity.external_id).where(Identity.collection_id == owner).order_by(Identity.id)
             return list(session.scalars(query))
 
     def update_identity(self, collection: str, external_id: str, name: str | None = None,
                         metadata: dict[str, Any] | None = None) -> IdentityInfo:
         with self.db.write() as session:
-            row = self._identity(session, self._collection(session, collection).id, external_id)
+            row = self._identity(session, collection_row(session, collection).id, external_id)
             if name is not None and name != row.name:
                 row.name = name
                 self._log(session, row.collection_id, [(0, row.id)], ChangeOp.RELABEL)
@@ -261,7 +263,7 @@ class GalleryStore:
     def delete_identity(self, collection: str, external_id: str) -> list[int]:
         """Erase an identity: its faces (vectors, crops) and its row. Returns the removed face ids."""
         with self.db.write() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             row = self._identity(session, owner.id, external_id)
             face_ids = list(session.scalars(select(Face.id).where(Face.identity_id == row.id)))
             self._log(session, owner.id, [(f, row.id) for f in face_ids], ChangeOp.REMOVE)
@@ -273,10 +275,9 @@ class GalleryStore:
 
     def add_faces(self, collection: str, external_id: str, faces: Sequence[NewFace], embedding_model: str,
                   create: tuple[str, dict[str, Any]] | None = None) -> tuple[IdentityInfo, list[FaceInfo]]:
-        """Enroll faces to an identity in one transaction; with ``create`` = (name, metadata) the
-        identity is created first when missing. Either every face is stored, or none."""
+        """Enroll faces to an identity, all or none; with ``create`` = (name, metadata) it is made first."""
         with self.db.write() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             check_model(_collection_info(owner), embedding_model)  # in the transaction: a re-embed may race
             vectors = validate_embeddings([f.embedding for f in faces], owner.dimension)
             identity = session.scalar(select(Identity).where(Identity.collection_id == owner.id,
@@ -303,13 +304,13 @@ class GalleryStore:
 
     def list_faces(self, collection: str, external_id: str) -> list[FaceInfo]:
         with self.db.read() as session:
-            identity = self._identity(session, self._collection(session, collection).id, external_id)
+            identity = self._identity(session, collection_row(session, collection).id, external_id)
             return [_face_info(r) for r in session.scalars(
                 select(Face).where(Face.identity_id == identity.id).order_by(Face.id))]
 
     def delete_face(self, collection: str, face_id: int) -> None:
         with self.db.write() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             row = session.scalar(select(Face).where(Face.id == face_id, Face.collection_id == owner.id))
             if row is None:
                 raise NotFound(f"face {face_id} does not exist in {collection!r}", face_id=face_id)
@@ -319,7 +320,7 @@ class GalleryStore:
     def known_hashes(self, collection: str) -> set[str]:
         """sha256 of every image already enrolled in the collection (import resumability)."""
         with self.db.read() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             return set(session.scalars(select(Face.image_sha256).where(Face.collection_id == owner.id)))
 
     # --- re-embedding --------------------------------------------------------------------------
@@ -327,7 +328,7 @@ class GalleryStore:
     def stored_crops(self, collection: str) -> tuple[list[int], list[bytes]]:
         """Face ids and PNG crops of a whole collection; ``CropsMissing`` when any face has none."""
         with self.db.read() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             missing = session.scalar(select(func.count()).where(Face.collection_id == owner.id,
                                                                 Face.crop.is_(None))) or 0
             if missing:
@@ -443,7 +444,7 @@ class GalleryStore:
     def identity_vectors(self, collection: str, external_id: str) -> NDArray[np.float32]:
         """Embeddings [N, D] of one identity's faces (for 1:1 verification)."""
         with self.db.read() as session:
-            owner = self._collection(session, collection)
+            owner = collection_row(session, collection)
             identity = self._identity(session, owner.id, external_id)
             blobs = list(session.scalars(select(Face.embedding).where(Face.identity_id == identity.id)))
         return np.array([decode_vector(b, owner.dimension) for b in blobs], dtype=np.float32).reshape(

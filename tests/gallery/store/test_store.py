@@ -21,7 +21,7 @@ import gallery.store.store as gallery_store
 from gallery.errors import Conflict, InvalidEmbedding, ModelMismatch, NotFound
 from gallery.store.db import Polled, create_db_engine, migrate
 from gallery.store.models import Base, ChangeOp, Identity
-from gallery.store.store import GalleryStore
+from gallery.store.store import GalleryStore, collection_row
 from tests import ROOT
 from tests.gallery.helpers import (
     MODEL,
@@ -171,7 +171,7 @@ def test_every_external_id_in_one_query(people: GalleryStore, engine: Engine) ->
 
     store = people
     with store.db.write() as session:
-        owner = store._collection(session, "people").id
+        owner = collection_row(session, "people").id
         session.execute(insert(Identity), [{"collection_id": owner, "external_id": f"x{n:04d}", "name": ""}
                                            for n in range(1_200)])
     store.create_collection("others", MODEL, DIM, 0.5)
