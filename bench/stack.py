@@ -82,23 +82,15 @@ def setup_collection(url: str, admin_key: str, enroll: bytes) -> str:
         return str(created.json()["key"])
 
 
-#: Starts ``service`` (its ``__main__``) from the source tree given first on the command line.
-_BOOT = ("import runpy, sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); sys.argv[0] = 'service'; "
-         "runpy.run_module('service', run_name='__main__', alter_sys=True)")
-
-
-def start_gateway(triton: str, workdir: Path, log_file: Path, tree: Path | None = None
-                  ) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_gateway(triton: str, workdir: Path, log_file: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     """The gateway as ``make run`` starts it, on a free port, its SQLite gallery and snapshots in
-    ``workdir``; ``tree``: the gateway of another checkout (``bench.gateway --trees``). Returns the process,
-    its URL and its admin key."""
+    ``workdir``. Returns the process, its URL and its admin key."""
     admin_key, port = secrets.token_urlsafe(24), free_port()
     env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": admin_key,
            "FACEREC_DATABASE__URL": f"sqlite:///{workdir / 'gallery.db'}",
            "FACEREC_GALLERY__SNAPSHOT_DIR": str(workdir / "index"), "FACEREC_LOG_LEVEL": "WARNING"}
-    boot = ["-c", _BOOT, str(tree.resolve())] if tree else ["-m", "service"]
-    command = [sys.executable, *boot, "--triton-url", triton, "--host", "127.0.0.1", "--port", str(port),
-               "--admin-key-file", str(workdir / "admin_key")]
+    command = [sys.executable, "-m", "service", "--triton-url", triton, "--host", "127.0.0.1",
+               "--port", str(port), "--admin-key-file", str(workdir / "admin_key")]
     url = f"http://127.0.0.1:{port}"
     return start_server(command, env, log_file, f"{url}/health/ready"), url, admin_key
 
