@@ -84,8 +84,7 @@ def plan(args: argparse.Namespace) -> Plan:
         ceiling=ceiling.CeilingOptions(
             seconds=seconds, repeats=2 if quick else 5, split_repeats=5 if quick else 15,
             embedder_batches=(1, 4, 16) if quick else ceiling.EMBEDDER_BATCHES,
-            threads=tuple(sorted({t for _, t in layouts})), layouts=layouts,
-            fixed=not (args.no_fixed or quick)),
+            threads=tuple(sorted({t for _, t in layouts})), layouts=layouts),
         enroll_images=args.enroll_images or (24 if quick else 100),
         enroll_repeats=args.enroll_repeats or (1 if quick else 3),
         latency_rounds=args.latency_rounds or (30 if quick else latency.ROUNDS),
@@ -132,7 +131,7 @@ def run_part(results: Results, name: str, skip: frozenset[str], work: Callable[[
 
 
 def in_process(r: Run) -> None:
-    r.results.ceiling = ceiling.run(r.models, r.photos, r.plan.ceiling, r.plain)
+    r.results.ceiling = ceiling.run(r.models, r.photos, r.plan.ceiling)
 
 
 def second_pass(r: Run) -> None:
@@ -219,10 +218,9 @@ ALONE_AGAIN: dict[str, Part] = {"ceiling, second pass": second_pass, "gallery": 
 
 
 def _plain(r: Run) -> None:
-    """The plain variant's models (built or reused, checked against the served ones) when the ceiling or
-    the plain naive baseline needs them; the error is reported when they cannot be had."""
-    p = r.plan
-    if "ceiling" in p.skip and ("naive" in p.skip or naive.PLAIN not in p.naive_variants):
+    """The plain variant's models (built or reused, checked against the served ones) when the plain naive
+    baseline needs them; the error is reported when they cannot be had."""
+    if "naive" in r.plan.skip or naive.PLAIN not in r.plan.naive_variants:
         return
     try:
         prepared = plain.prepare(r.models, r.photos)
@@ -311,8 +309,6 @@ def arguments() -> argparse.ArgumentParser:
                         "concurrency on 2 cores)")
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x1"],
                         help="ceiling: processes x intra-op threads (default: 1x1 1x2 2x1)")
-    parser.add_argument("--no-fixed", action="store_true",
-                        help="ceiling: skip the fixed 640x640 input (--quick skips it too)")
     parser.add_argument("--enroll-images", type=int, help="bench.enroll images (default: 100; quick: 24)")
     parser.add_argument("--enroll-repeats", type=int, help="bench.enroll rounds (default: 3; quick: 1)")
     parser.add_argument("--latency-rounds", type=int,

@@ -5,8 +5,7 @@ The two networks run in this process with the ONNX files, settings, runtime and 
 letterbox, post-processing, alignment); no RPC, no queues. For each photo: batch sweeps of each network
 on 1 and 2 intra-op threads, a timer split of one image's steps (its total: the *single image*), and
 decode + ``run_pipeline`` end to end with the best batch sizes in each layout (processes x threads):
-the best is the *ceiling*. The same on ONNX Runtime f32 (*onnxruntime*), with the fixed 640x640
-detector input (*fixed*) and for the plain baseline's networks (*plain*, ``bench/plain.py``).
+the best is the *ceiling*. The same on ONNX Runtime f32 (*onnxruntime*).
 """
 
 from __future__ import annotations
@@ -283,10 +282,8 @@ class PhotoCeiling:
     embedder_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # threads -> batch -> ms/face
     splits: list[StageSplit] = field(default_factory=list)
     layouts: list[Layout] = field(default_factory=list)
-    #: "served" (what face_pipeline serves: settings, files, runtime and precisions), "onnxruntime" (the
-    #: same files and settings on ONNX Runtime f32), "fixed" (served, but a fixed 640x640 input) or "plain"
-    #: (ONNX Runtime, the original float detector at fixed 640x640, the PReLU embedder: the plain naive
-    #: baseline's work)
+    #: "served" (what face_pipeline serves: settings, files, runtime and precisions) or "onnxruntime" (the
+    #: same files and settings on ONNX Runtime f32); the recorded runs also hold "fixed" and "plain" rows
     variant: str = "served"
     runtime: str = "onnxruntime f32"  # ServedModels.runtime (results before OpenVINO: ONNX Runtime)
     #: 2 when ``second_pass`` measured the split and the layouts again at the end of the run (each keeps
@@ -319,15 +316,15 @@ class CeilingOptions:
     embedder_batches: Sequence[int] = EMBEDDER_BATCHES
     threads: Sequence[int] = THREADS
     layouts: Sequence[tuple[int, int]] = LAYOUTS
-    fixed: bool = True  # also the fixed 640x640 detector input
 
 
-def measure_photo(models: ServedModels, name: str, data: bytes, settings: PipelineSettings, sizing: str,
-                  options: CeilingOptions, embedder_ms: dict[int, dict[int, float]],
-                  layouts: Sequence[tuple[int, int]] | None = None, variant: str = "served") -> PhotoCeiling:
-    """Detector sweep, stage splits and end-to-end runs (``layouts``, default: the options') for one photo,
-    on the runtime of ``models``; ``embedder_ms`` is the embedder sweep (per thread count), which does not
-    depend on the photo."""
+def measure_photo(models: ServedModels, name: str, data: bytes, options: CeilingOptions,
+                  embedder_ms: dict[int, dict[int, float]], variant: str = "served") -> PhotoCeiling:
+    """Detector sweep, stage splits and end-to-end runs in every layout for one photo, on the runtime of
+    ``models``; ``embedder_ms`` is the embedder sweep (per thread count), which does not depend on the
+    photo."""
+    settings = models.settings
+    sizing = "dynamic" if settings.dynamic_input else "fixed"
     _, size = detector_input(data, settings)
     faces = len(face_crops(data, models, settings))
     result = PhotoCeiling(name, photo_label(name, data), sizing, size, faces, embedder_ms=embedder_ms,
@@ -339,7 +336,7 @@ def measure_photo(models: ServedModels, name: str, data: bytes, settings: Pipeli
         result.detector_ms[threads] = sweep(run, detector_input(data, settings)[0], options.detector_batches,
                                             options.repeats)
         result.splits.append(stage_split(models, settings, data, threads, options.split_repeats))
-    for processes, threads in options.layouts if layouts is None else layouts:
+    for processes, threads in options.layouts:
         if threads not in result.detector_ms:
             continue
         det = best(result.detector_ms[threads])
@@ -365,58 +362,25 @@ def _embedder_sweeps(models: ServedModels, crops: ImageArray, options: CeilingOp
     return sweeps
 
 
-def _winner(rows: Sequence[PhotoCeiling], name: str) -> list[tuple[int, int]]:
-    """The layout that won for this photo (as a one-layout list; empty when none was measured)."""
-    best_layout = next((r.best_layout for r in rows if r.photo == name), None)
-    return [(best_layout.processes, best_layout.threads)] if best_layout else []
-
-
-def _sizing(settings: PipelineSettings) -> str:
-    return "dynamic" if settings.dynamic_input else "fixed"
-
-
-def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
-        plain: ServedModels | None = None) -> list[PhotoCeiling]:
+def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions) -> list[PhotoCeiling]:
     """Every photo with what ``face_pipeline`` serves (``served``: its sizing, files, runtime and
     precisions), then the same files and settings on ONNX Runtime f32 (``onnxruntime``; skipped when the
-    repository serves ONNX Runtime already), each with every layout. When asked, the served runtime with the
-    fixed 640x640 input (``fixed``), only end to end in the layout that won with the served sizing. With
-    ``plain`` (``bench.plain.prepare(...).models``: ONNX Runtime, the original float detector, fixed
-    640x640, the PReLU embedder), also its sweeps and stage split, and end to end like the fixed input."""
-    settings = models.settings
-    crops = np.concatenate([face_crops(data, models, settings) for data in photos.values()])
-    embedder_ms = _embedder_sweeps(models, crops, options, "served")
-    served = [measure_photo(models, name, data, settings, _sizing(settings), options, embedder_ms)
-              for name, data in photos.items()]
-    out = list(served)
-    ort = models.on_runtime(Runtime.ONNXRUNTIME)
-    if ort != models:
-        ort_ms = _embedder_sweeps(ort, crops, options, "ONNX Runtime")
-        out += [measure_photo(ort, name, data, settings, _sizing(settings), options, ort_ms,
-                              variant="onnxruntime") for name, data in photos.items()]
-    width, height = settings.detector.input_size
-    if options.fixed and settings.dynamic_input:
-        fixed = replace(settings, dynamic_input=False)
-        out += [measure_photo(models, name, data, fixed, f"fixed {width}x{height}", options, embedder_ms,
-                              _winner(served, name), variant="fixed") for name, data in photos.items()]
-    if plain is None:
-        return out
-    plain_ms = _embedder_sweeps(plain, crops, options, "plain")
-    ort_rows = [r for r in out if r.variant == "onnxruntime"] or served
-    out += [measure_photo(plain, name, data, plain.settings, f"fixed {width}x{height}, PReLU embedder",
-                          options, plain_ms, _winner(ort_rows, name) if options.fixed else [],
-                          variant="plain") for name, data in photos.items()]
+    repository serves ONNX Runtime already), each with every layout."""
+    crops = np.concatenate([face_crops(data, models, models.settings) for data in photos.values()])
+    out = []
+    for variant, run_models in (("served", models), ("onnxruntime", models.on_runtime(Runtime.ONNXRUNTIME))):
+        if variant == "onnxruntime" and run_models == models:
+            continue
+        embedder_ms = _embedder_sweeps(run_models, crops, options, variant)
+        out += [measure_photo(run_models, name, data, options, embedder_ms, variant)
+                for name, data in photos.items()]
     return out
-
-
-#: The variants a second pass measures again: the two the targets compare (served and ONNX Runtime).
-SECOND_PASS = ("served", "onnxruntime")
 
 
 def second_pass(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
                 rows: Sequence[PhotoCeiling]) -> None:
-    """Measure the stage split and every layout of the served and ONNX Runtime rows again (``python -m
-    bench`` does it after the stack and the memory run) and keep, for each, the better of the two passes.
+    """Measure the stage split and every layout of each row again (``python -m bench`` does it after the
+    stack and the memory run) and keep, for each, the better of the two passes.
 
     A ceiling is the best a server could reach, and noise only slows a measurement down; on a shared
     machine whose speed drifts by 10-20 % from one minute to the next, one pass taken in a slow minute set
@@ -424,7 +388,7 @@ def second_pass(models: ServedModels, photos: dict[str, bytes], options: Ceiling
     The batch sweeps are not repeated: the layouts keep the batch sizes the first pass chose."""
     ort = models.on_runtime(Runtime.ONNXRUNTIME)
     for row in rows:
-        if row.variant not in SECOND_PASS or row.photo not in photos:
+        if row.photo not in photos:
             continue
         run_models = models if row.variant == "served" else ort
         settings = models.settings

@@ -204,7 +204,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
                                                     served_runtime: str) -> None:
     out = tmp_path / "benchmarks"
     argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8", "16",
-            "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1", "--no-fixed",
+            "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1",
             "--enroll-images", "8",
             "--latency-rounds", "5",
             "--gallery-sizes", "1000", "--gallery-dims", "16", "--repository", str(cpu_repository),
@@ -246,8 +246,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
         "naive served-onnxruntime /embed, 1 intra-op thread"}
     assert "PRelu nodes" in results["plain_check"]
     variants = {(c["photo"], c["variant"]): c for c in results["ceiling"]}
-    assert variants[("obama.jpg", "plain")]["input_size"] == [640, 640]  # measured even with --no-fixed
-    assert variants[("obama.jpg", "plain")]["runtime"] == "onnxruntime f32"
+    assert set(variants) == {("obama.jpg", "served"), ("obama.jpg", "onnxruntime")}
     assert variants[("obama.jpg", "onnxruntime")]["runtime"] == "onnxruntime f32"
     assert variants[("obama.jpg", "served")]["runtime"] == served_runtime
     assert all(variants[("obama.jpg", v)]["images_per_s"] > 0 for v in ("served", "onnxruntime"))
