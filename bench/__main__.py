@@ -144,8 +144,7 @@ def loads(r: Run) -> None:
     load sit idle (measured: ~1 % of a core for the gateway's change-log follower, ~0 for the others), and a
     slow drift of a shared machine hits all three alike instead of skewing their ratios."""
     p, results, running = r.plan, r.results, r.stack if "stack" not in r.plan.skip else None
-    rows = {naive.SERVED: results.naive, naive.SERVED_ORT: results.naive_onnxruntime,
-            naive.PLAIN: results.naive_plain}
+    rows = {naive.SERVED: results.naive, naive.PLAIN: results.naive_plain}
     client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
     try:
         for name, data in r.photos.items():
@@ -303,7 +302,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photos (the first one also for "
                         "naive and the memory run; default: obama.jpg t1.jpg)")
     parser.add_argument("--naive-variants", nargs="+", default=list(naive.VARIANTS), choices=naive.VARIANTS,
-                        help="naive baselines (default: all three)")
+                        help="naive baselines (default: both)")
     parser.add_argument("--naive-threads", type=int, nargs="+", default=list(naive.THREADS),
                         help="naive intra-op threads, for every variant (default: 1; 2 lost at every "
                         "concurrency on 2 cores)")

@@ -1,7 +1,7 @@
 """The naive baselines for ``python -m bench``: ``bench/naive_app.py`` served by uvicorn in a subprocess,
-loaded with real multipart JPEG uploads in a closed loop (``measure_once``), in three variants: *served*
-(what ``face_pipeline`` serves: the same work as the stack), *served-onnxruntime* (the same on ONNX
-Runtime f32) and *plain* (the obvious deployment of the same networks, ``bench/plain.py``).
+loaded with real multipart JPEG uploads in a closed loop (``measure_once``), in two variants: *served*
+(what ``face_pipeline`` serves: the same work as the stack) and *plain* (the obvious deployment of the
+same networks, ``bench/plain.py``).
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ from bench.core.inputs import ARTIFACTS, ServedModels
 from bench.core.load import LoadRow, MultipartSender, run_load
 from bench.core.processes import Watched, free_port, start_server
 from bench.naive_app import runtime_text
-from facecore.runtimes import Runtime
 from service.launcher import stop_process
 
 log = logging.getLogger(__name__)
 
 #: 1 intra-op thread per session: on the recorded 2-core run 2 threads lost at every concurrency.
 THREADS = (1,)
-SERVED, PLAIN = plain_part.SERVED, plain_part.PLAIN
-SERVED_ORT = "served-onnxruntime"
-VARIANTS = (SERVED, SERVED_ORT, PLAIN)
+SERVED, PLAIN, VARIANTS = plain_part.SERVED, plain_part.PLAIN, plain_part.VARIANTS
 
 
 @dataclass(frozen=True)
@@ -50,10 +47,8 @@ def target_name(threads: int, variant: str = SERVED) -> str:
 
 def variant_models(models: ServedModels, plain_models: ServedModels | None, variant: str
                    ) -> ServedModels | None:
-    """What a variant runs: the served models, them on ONNX Runtime, or the plain ones (None: not had)."""
-    if variant == PLAIN:
-        return plain_models
-    return models.on_runtime(Runtime.ONNXRUNTIME) if variant == SERVED_ORT else models
+    """What a variant runs: the served models or the plain ones (None: not had)."""
+    return plain_models if variant == PLAIN else models
 
 
 def _check_health(health: dict[str, Any], variant: str, models: ServedModels) -> None:
@@ -73,8 +68,7 @@ def _check_health(health: dict[str, Any], variant: str, models: ServedModels) ->
 def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
                  log_file: Path = ARTIFACTS / "bench-naive.log") -> Iterator[NaiveServer]:
     """uvicorn serving ``bench.naive_app:app`` on a free port (one worker process). ``models``: what the
-    variant runs (``variant_models``: the served models, them on ONNX Runtime, ``plain.prepare(...).models``
-    for ``plain``)."""
+    variant runs (``variant_models``)."""
     port = free_port()
     env = {**os.environ, "NAIVE_SETTINGS": json.dumps(models.settings.to_parameters()),
            "NAIVE_DETECTOR_ONNX": str(models.detector_file), "NAIVE_EMBEDDER_ONNX": str(models.embedder_file),

@@ -5,7 +5,7 @@ calling its runtime with batch 1. The approach Triton exists to beat.
 
 Configured by the environment (``bench/naive.py`` sets it and runs the app with uvicorn):
 ``NAIVE_SETTINGS`` (JSON of ``PipelineSettings.to_parameters()``), ``NAIVE_DETECTOR_ONNX`` /
-``NAIVE_EMBEDDER_ONNX``, ``NAIVE_VARIANT`` (``served``, ``served-onnxruntime`` or ``plain``: see
+``NAIVE_EMBEDDER_ONNX``, ``NAIVE_VARIANT`` (``served`` or ``plain``: see
 ``bench/naive.py``; plain refuses an embedder without PRelu nodes), ``NAIVE_DETECTOR_RUNTIME`` /
 ``NAIVE_EMBEDDER_RUNTIME`` (``openvino:bf16``; default ``onnxruntime:f32``) and
 ``NAIVE_INTRA_OP_THREADS`` (0: one per core).
@@ -43,7 +43,7 @@ class Models:
     embedder_runtime: RuntimeChoice
 
 
-VARIANTS = ("served", "served-onnxruntime", "plain")
+VARIANTS = ("served", "plain")
 
 
 def runtime_choice(text: str, threads: int) -> RuntimeChoice:

@@ -199,8 +199,7 @@ RATIOS: tuple[Target, ...] = tuple(target for p in PHOTOS for target in (
       for name in (REST, GRPC, *NAIVE)),
     *(Target(f"{name} / {naive}, concurrency {C}, {p}",
              ratio(throughput(name, p), throughput(naive, p), "images/s"))
-      for name in (REST, GRPC, "naive served", "naive served on ONNX Runtime") for naive in NAIVE
-      if naive != name and not (name in NAIVE and naive == "naive served")),
+      for name in (REST, GRPC, "naive served") for naive in NAIVE if naive != name),
     Target(f"REST identify / gRPC face_pipeline, concurrency {C}, {p} (the gateway's cost)",
            ratio(throughput(REST, p), throughput(GRPC, p), "images/s")),
 )) + tuple(Target(f"{t} p50 at concurrency 1 / the ceiling's single image, {ONE_FACE}, {how}",
@@ -341,7 +340,7 @@ def document(results: Results, written: Mapping[str, str]) -> str:
         parts += ["### Ceiling: in-process (`bench/ceiling.py`)", table(results.ceiling, CEILING),
                   "Stage split, one image at a time (ms, medians):", table(splits, SPLIT),
                   "Batch sweeps (ms per item at batch size):", table(_sweeps(results.ceiling), SWEEP)]
-    load = [*results.naive, *results.naive_onnxruntime, *results.naive_plain, *results.stack]
+    load = [*results.naive, *results.naive_plain, *results.stack]
     if load:
         parts += ["### Naive baselines and our stack under load (`bench/naive.py`, `bench/stack.py`)",
                   table(load, LOAD)]

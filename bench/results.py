@@ -18,8 +18,7 @@ PHOTOS = (ONE_FACE, SIX_FACES)
 TARGET_CONCURRENCY, HIGH_CONCURRENCY = 8, 16
 C = TARGET_CONCURRENCY
 #: The naive baselines (bench/naive.py) as the report names them -> their rows in ``Results``.
-NAIVE = {"naive served": "naive", "naive served on ONNX Runtime": "naive_onnxruntime",
-         "naive plain": "naive_plain"}
+NAIVE = {"naive served": "naive", "naive plain": "naive_plain"}
 
 
 @dataclass
@@ -34,7 +33,6 @@ class Results:
     ceiling: list[PhotoCeiling] = field(default_factory=list)
     naive: list[LoadRow] = field(default_factory=list)  # the naive app serving what face_pipeline serves
     naive_plain: list[LoadRow] = field(default_factory=list)  # ... the plain way (bench/plain.py)
-    naive_onnxruntime: list[LoadRow] = field(default_factory=list)  # ... the served files on ONNX Runtime
     plain_check: str = ""  # bench.plain: the plain networks are the served ones (PlainModels.describe)
     stack: list[LoadRow] = field(default_factory=list)
     paired_latency: list[PairedLatency] = field(default_factory=list)
@@ -56,7 +54,7 @@ class Results:
         """The inverse of ``to_json``; fields of parts since removed are read past."""
         values = {k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}
         values["ceiling"] = [_ceiling(c) for c in data["ceiling"]]
-        for name in ("naive", "naive_plain", "naive_onnxruntime", "stack"):
+        for name in ("naive", "naive_plain", "stack"):
             values[name] = [LoadRow(**row) for row in data.get(name, [])]
         values["paired_latency"] = [PairedLatency(**row) for row in data.get("paired_latency", [])]
         values["hold"] = [HoldCheck(**row) for row in data.get("hold", [])]

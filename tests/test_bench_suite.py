@@ -98,7 +98,7 @@ def test_memory_flatness_and_quick_plan() -> None:
     assert flat["max_deviation_pct"] == pytest.approx(8.0) and flat["end_change_pct"] == pytest.approx(5.0)
     quick = bench_main.plan(bench_main.arguments().parse_args(["--quick"]))
     assert quick.seconds == 2 and quick.memory_minutes == 0.5 and quick.ceiling.embedder_batches == (1, 4, 16)
-    assert quick.naive_variants == ("served", "served-onnxruntime", "plain") and quick.naive_threads == (1,)
+    assert quick.naive_variants == ("served", "plain") and quick.naive_threads == (1,)
     full = bench_main.plan(bench_main.arguments().parse_args([]))
     assert full.seconds == 10 and full.memory_minutes == 10 and full.gallery_args == ("--quick",)
     assert full.ceiling.layouts == ((1, 1), (1, 2), (2, 1))
@@ -143,9 +143,8 @@ def _other_detector(tmp_path: Path) -> Path:
 
 def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path], cpu_repository: Path,
                                           exported_precisions: dict[str, str]) -> None:
-    """served (OpenVINO at the served precisions), served-onnxruntime and plain (ONNX Runtime, the float
-    detector) each run what they say and find the same faces (that their decisions agree is
-    tests/test_work_reduction.py's)."""
+    """served (OpenVINO at the served precisions) and plain (ONNX Runtime, the float detector) each run
+    what they say and find the same faces (that their decisions agree is tests/test_work_reduction.py's)."""
     models = served_models(cpu_repository)
     data = {name: photos[name].read_bytes() for name in ("obama.jpg", "obama2.jpg", "t1.jpg")}
     plain_models = plain.prepare(models, data, tmp_path / "sface.prelu.onnx").models
@@ -158,7 +157,6 @@ def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path
         assert health["served"]["detector_runtime"] == "openvino:" + exported_precisions["detector"]
         assert health["served"]["embedder_runtime"] == "openvino:" + exported_precisions["embedder"]
         assert health["served"]["detector_input_layout"] == "nhwc_uint8"
-        assert health["served-onnxruntime"]["embedder_runtime"] == "onnxruntime:f32"
         assert not health["plain"]["dynamic_input"] and health["plain"]["embedder_prelu_nodes"] > 0
         assert health["plain"]["detector_input_layout"] == "nchw_float"
         assert health["plain"]["detector_runtime"] == "onnxruntime:f32"
@@ -237,13 +235,10 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
                  "gRPC face_pipeline / naive plain, concurrency 8, obama.jpg",
                  "naive served / naive plain, concurrency 8, obama.jpg",
                  "REST identify p50 at concurrency 1 / the ceiling's single image, obama.jpg, paired rounds",
-                 "ceiling, served runtime / ONNX Runtime, obama.jpg",
-                 "REST identify / naive served on ONNX Runtime, concurrency 8, obama.jpg"):
+                 "ceiling, served runtime / ONNX Runtime, obama.jpg"):
         assert name in ratios and math.isfinite(ratios[name]) and ratios[name] > 0, (name, ratios)
     assert {r["target"] for r in results["naive"]} == {"naive served /embed, 1 intra-op thread"}
     assert {r["target"] for r in results["naive_plain"]} == {"naive plain /embed, 1 intra-op thread"}
-    assert {r["target"] for r in results["naive_onnxruntime"]} == {
-        "naive served-onnxruntime /embed, 1 intra-op thread"}
     assert "PRelu nodes" in results["plain_check"]
     variants = {(c["photo"], c["variant"]): c for c in results["ceiling"]}
     assert set(variants) == {("obama.jpg", "served"), ("obama.jpg", "onnxruntime")}
