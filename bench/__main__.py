@@ -4,20 +4,15 @@
     python -m bench --quick             # ~3 minutes: shorter runs, a 30 s memory run, a small gallery
     python -m bench --seconds 20 --memory-minutes 30 --full-gallery
 
-Its parts, in this order (``--skip`` leaves some out):
+Its parts, in this order (``--skip`` leaves some out): the in-process ceiling, alone (``bench/ceiling.py``);
+the naive baselines (``bench/naive.py``) and our stack (``bench/stack.py``) alternating at every
+concurrency; on the stack, latency at concurrency 1 paired (``bench/latency.py``), hold (the sweep's best
+concurrency against 16), enroll (``bench/enroll.py``) and memory; alone again, the ceiling's second pass
+and the gallery (``bench/gallery.py``, its quick sizes unless ``--full-gallery``).
 
-- ceiling (``bench/ceiling.py``), alone: the served networks in-process, and on ONNX Runtime f32;
-- naive + stack: the naive baselines (``bench/naive.py``) and our stack (``bench/stack.py``: REST
-  identify and gRPC face_pipeline), alternating at every concurrency;
-- on the stack: latency at concurrency 1, paired (``bench/latency.py``); hold (the sweep's best
-  concurrency against 16, alternating); enroll (``bench/enroll.py``); memory (REST identify at 16 for
-  ``--memory-minutes``);
-- alone again: the ceiling's second pass (each row keeps the better of its two), the gallery
-  (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
-
-The targets, ratios and tables go to ``<out>/README.md`` (between marker comments), with the plots; the
-raw numbers to ``<out>/runs/results.json``; the gallery and enrollment sections to ``<out>/gallery.md``.
-A part that fails is reported with its error; the others still run (exit code 1).
+The targets, ratios, tables and plots go to ``<out>/README.md``, the raw numbers to
+``<out>/runs/results.json``, the gallery and enrollment sections to ``<out>/gallery.md``. A part that
+fails is reported with its error; the others still run (exit code 1).
 """
 
 from __future__ import annotations
@@ -32,10 +27,12 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from bench import ceiling, latency, naive, plain, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
-from bench.core.reporting import machine_description, read_section
+from bench.core.reporting import cli, log_progress, machine_description, read_section
 from bench.results import HIGH_CONCURRENCY, Results, peak
 from bench.stack import Stack
 from facecore.client import PipelineClient
@@ -140,9 +137,9 @@ def second_pass(r: Run) -> None:
 
 
 def loads(r: Run) -> None:
-    """Naive, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers not under
-    load sit idle (measured: ~1 % of a core for the gateway's change-log follower, ~0 for the others), and a
-    slow drift of a shared machine hits all three alike instead of skewing their ratios."""
+    """The naive apps, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers
+    not under load sit idle, and a slow drift of a shared machine hits all alike instead of skewing their
+    ratios."""
     p, results, running = r.plan, r.results, r.stack if "stack" not in r.plan.skip else None
     rows = {naive.SERVED: results.naive, naive.PLAIN: results.naive_plain}
     client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
@@ -178,16 +175,21 @@ def hold(r: Run) -> None:
                                                    r.plan.seconds / 2))
 
 
+def _own_section(r: Run, part: ModuleType, argv: list[str], render: Callable[[Any], str], shown: str) -> str:
+    """Run a benchmark that writes its own section into ``<out>/gallery.md``; its command (as ``shown``)
+    and table for this report."""
+    data = r.scratch / "rows.json"
+    if part.main([*argv, "--out", str(r.out / "gallery.md"), "--json", str(data)]) != 0:
+        raise RuntimeError(f"{part.__name__} failed")
+    return f"Command: `python -m {part.__name__} {shown}`\n\n{render(json.loads(data.read_text())['rows'])}"
+
+
 def enroll(r: Run) -> None:
     from bench import enroll as part
 
-    data = r.scratch / "enroll.json"
-    argv = ["--url", r.running.triton_grpc, "--images", str(r.plan.enroll_images), "--repeats",
-            str(r.plan.enroll_repeats)]
-    if part.main([*argv, "--out", str(r.out / "gallery.md"), "--json", str(data)]) != 0:
-        raise RuntimeError("bench.enroll failed")
-    command = f"python -m bench.enroll {' '.join(argv[2:])} --url <this run's Triton>"
-    r.results.enroll = f"Command: `{command}`\n\n{part.table(json.loads(data.read_text())['rows'])}"
+    argv = ["--images", str(r.plan.enroll_images), "--repeats", str(r.plan.enroll_repeats)]
+    r.results.enroll = _own_section(r, part, [*argv, "--url", r.running.triton_grpc], part.table,
+                                    " ".join([*argv, "--url", "<this run's Triton>"]))
 
 
 def memory(r: Run) -> None:
@@ -200,11 +202,9 @@ def gallery(r: Run) -> None:
     from bench import gallery as part
     from bench.gallery_engines import Row
 
-    data, args = r.scratch / "gallery.json", r.plan.gallery_args
-    if part.main([*args, "--out", str(r.out / "gallery.md"), "--json", str(data)]) != 0:
-        raise RuntimeError("bench.gallery failed")
-    rows = [Row(**row) for row in json.loads(data.read_text())["rows"]]
-    r.results.gallery = f"Command: `python -m bench.gallery {' '.join(args)}`\n\n{part.result_table(rows)}"
+    args = list(r.plan.gallery_args)
+    r.results.gallery = _own_section(r, part, args, lambda rows: part.result_table([Row(**x) for x in rows]),
+                                     " ".join(args))
 
 
 #: The parts by the servers they need, in the order they run. The ceiling runs alone (it uses every core
@@ -247,14 +247,15 @@ def _start(r: Run, servers: ExitStack, naive_apps: ExitStack, repository: Path) 
             continue
         try:
             for threads in r.plan.naive_threads:
-                r.naive_servers.append(naive_apps.enter_context(naive.naive_server(models, threads, variant)))
+                server = naive.naive_server(models, threads, variant)
+                r.naive_servers.append(naive_apps.enter_context(server))
         except Exception as exc:  # reported; the stack is still measured
             log.exception("the naive %s app did not start", variant)
             r.results.errors[f"naive {variant}"] = f"the naive {variant} app did not start: {exc}"
-    for server in r.naive_servers:
-        first = r.plan.photos[0]
-        log.info("naive %s, %d thread(s), %s: %d face(s)", server.variant, server.threads, first,
-                 len(naive.embed(server, first, r.photos[first])))
+    first = r.plan.photos[0]
+    for app in r.naive_servers:
+        faces = naive.embed(app, first, r.photos[first])
+        log.info("naive %s, %s: %d face(s)", app.variant, first, len(faces))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> Results:
@@ -289,8 +290,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> Results:
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench", __doc__)
     parser.add_argument("--quick", action="store_true", help="~3 minutes: short runs, 30 s memory run")
     parser.add_argument("--seconds", type=float, help="each load measurement (default: 10; --quick: 2)")
     parser.add_argument("--memory-minutes", type=float,
@@ -323,8 +323,7 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
     args = arguments().parse_args(raw)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    log_progress("httpx")
     began = time.perf_counter()
     results = run(args, raw)
     results.seconds["total"] = time.perf_counter() - began

@@ -8,12 +8,11 @@ Distinct one-face JPEGs made from the four test portraits (a random crop, rescal
 quality). The raw run sends them through ``face_pipeline`` with as many requests in flight as the import,
 ``recognition.importer.Importer``, into a fresh SQLite database (and with --database-url a fresh
 collection there, deleted afterwards). Import / raw is what the importer costs on top of inference
-(target: >= 0.9). Writes a Markdown section to --out; docs/benchmarks/gallery.md says how to read it.
+(target: >= 0.9). docs/benchmarks/gallery.md says how to read the section.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -36,7 +35,6 @@ from numpy.typing import NDArray
 
 from bench.core import reporting
 from bench.core.inputs import ARTIFACTS, REPOSITORY, ROOT, photo_paths
-from bench.core.reporting import machine_description, write_section
 from bench.core.triton import triton_url
 from facecore.client import AsyncPipelineClient
 from facecore.spec import ModelSpec
@@ -49,9 +47,6 @@ SOURCES = ("obama.jpg", "obama2.jpg", "obama3.jpg", "biden.jpg")
 MIN_FACE = 90  # pixels: well above the quality gate's 40 after rescaling
 
 log = logging.getLogger(__name__)
-
-
-# --- images ----------------------------------------------------------------------------------------
 
 
 def variant(image: NDArray[np.uint8], box: Sequence[float], rng: np.random.Generator) -> bytes:
@@ -131,9 +126,6 @@ async def source_boxes(client: AsyncPipelineClient, photos: dict[str, Path]) -> 
             raise RuntimeError(f"{name}: expected one face, found {len(faces)}")
         boxes[name] = [float(v) for v in faces.boxes[0]]
     return boxes
-
-
-# --- runs ------------------------------------------------------------------------------------------
 
 
 class TimedStore(GalleryStore):
@@ -227,9 +219,6 @@ async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int,
         await client.close()
 
 
-# --- report ----------------------------------------------------------------------------------------
-
-
 def summary(rounds: list[list[Run]]) -> list[dict[str, Any]]:
     """Per path: the run with the median time, and its throughput relative to the raw pipeline's."""
     rows = []
@@ -262,16 +251,14 @@ def document(command: str, triton: str, concurrency: int, per_identity: int,
              rows: list[dict[str, Any]]) -> str:
     return "\n\n".join([
         "## Enrollment throughput: import vs raw pipeline (`bench/enroll.py`)",
-        f"Command: `{command}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \n"
-        f"Machine: {machine_description()}  \nTriton: {triton}; {concurrency} requests in flight; "
-        f"{per_identity} images per identity",
+        f"{reporting.run_header(command, reporting.machine_description())}  \nTriton: {triton}; "
+        f"{concurrency} requests in flight; {per_identity} images per identity",
         table(rows),
     ])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.enroll", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = reporting.cli("bench.enroll", __doc__)
     parser.add_argument("--images", type=int, default=200, help="distinct images to enroll (default: 200)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")
     parser.add_argument("--url", help="gRPC address of a running Triton (default: start the bundled one)")
@@ -282,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    reporting.log_progress("alembic")
     photos = photo_paths()
     triton = (f"running server at {args.url}" if args.url else
               f"bundled tritonserver, repository {args.repository.relative_to(ROOT)}")
@@ -295,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         rounds = asyncio.run(benchmark(url, photos, folder, args.images, databases, args.concurrency,
                                        args.per_identity, args.repeats))
     rows = summary(rounds)
-    command = "python -m bench.enroll " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = document(command.strip(), triton, args.concurrency, args.per_identity, rows)
+    command = reporting.command_line("bench.enroll", argv)
+    text = document(command, triton, args.concurrency, args.per_identity, rows)
     print(text)
-    write_section(args.out, "bench.enroll", text)
+    reporting.write_section(args.out, "bench.enroll", text)
     if args.json:
         args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     return 0

@@ -5,20 +5,17 @@
     python -m bench.gallery --sizes 100000 --dims 128 --queries 500 --json gallery.json
 
 Synthetic faces: N/10 random identity centres, 10 faces each at cosine ~0.75 to one another (SFace's
-genuine pairs) and ~0 to other identities. Each index is built as ``FaceIndex.build`` builds it (a
-candidate tuned on the collection's own probes, or refused) and measured on held-out genuine and impostor
-probes (``bench/gallery_engines.py``); Milvus-lite (FLAT, the `milvus` extra) up to ``--milvus-max``
-faces. Writes a Markdown section to --out; docs/benchmarks/gallery.md says how to read it.
+genuine pairs) and ~0 to other identities. Each index is built as ``FaceIndex.build`` builds it and
+measured on held-out genuine and impostor probes (``bench/gallery_engines.py``); Milvus-lite (the
+`milvus` extra) up to ``--milvus-max`` faces. docs/benchmarks/gallery.md says how to read the section.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +23,17 @@ from typing import Any
 import numpy as np
 
 from bench.core.inputs import ROOT
-from bench.core.reporting import MIB, fmt, machine_description, table, write_section
+from bench.core.reporting import (
+    MIB,
+    cli,
+    command_line,
+    fmt,
+    log_progress,
+    machine_description,
+    run_header,
+    table,
+    write_section,
+)
 from bench.gallery_engines import (
     CONCURRENCY,
     Row,
@@ -47,9 +54,6 @@ GENUINE = 0.75
 PROBE_SEED = 1  # FaceIndex tunes nprobe on genuine_probes(seed=0): measure on other queries
 
 log = logging.getLogger(__name__)
-
-
-# --- data ------------------------------------------------------------------------------------------
 
 
 def synthetic_faces(count: int, dimension: int, seed: int = 0) -> Vectors:
@@ -80,7 +84,7 @@ def probe_set(vectors: Vectors, count: int) -> tuple[Vectors, Any]:
 
 @dataclass(frozen=True)
 class DataStats:
-    """How face-like the synthetic set is: what a real gallery's score distributions look like."""
+    """How face-like the synthetic set is: its score distributions against a real gallery's."""
 
     genuine_cos: float  # mean cosine of two faces of one identity
     impostor_cos: float  # mean cosine of two faces of different identities
@@ -101,9 +105,6 @@ def data_stats(vectors: Vectors, sources: Any, scores: Any, ids: Any) -> DataSta
     best = np.where(outsider, scores, -np.inf).max(axis=1)
     return DataStats(float(genuine.mean()), float(impostor.mean()), float(impostor.std()),
                      float(best.mean()), float((best > GENUINE).mean()))
-
-
-# --- one case ----------------------------------------------------------------------------------------
 
 
 def truth_for(vectors: Vectors, queries: int) -> tuple[Truth, Any]:
@@ -141,9 +142,6 @@ def benchmark_case(size: int, dimension: int, queries: int = 200,
     return stats, rows
 
 
-# --- report ----------------------------------------------------------------------------------------
-
-
 def _agreement(r: Row) -> str:
     if r.genuine_agreement is None:
         return "—"
@@ -173,13 +171,12 @@ def result_table(rows: list[Row]) -> str:
 def document(command: str, rows: list[Row], stats: list[tuple[int, int, DataStats]], machine: str) -> str:
     return "\n\n".join([
         "## Gallery search: exact, approximate candidates and Milvus-lite (`bench/gallery.py`)",
-        f"Command: `{command}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \nMachine: {machine}",
-        result_table(rows), "Synthetic data (what the queries face):", table(stats, DATA)])
+        run_header(command, machine), result_table(rows), "Synthetic data (what the queries face):",
+        table(stats, DATA)])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gallery", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench.gallery", __doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--queries", type=int, default=200,
@@ -195,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader's messages about CPU variants
+    log_progress("faiss")  # its loader's messages about CPU variants
     sizes = [10_000, 100_000] if args.quick else args.sizes
     rows: list[Row] = []
     stats: list[tuple[int, int, DataStats]] = []
@@ -207,9 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             stats.append((size, dimension, case_stats))
             rows += case_rows
             print(result_table(case_rows), flush=True)
-    command = "python -m bench.gallery " + " ".join(argv if argv is not None else sys.argv[1:])
-    machine = machine_description()
-    text = document(command.strip(), rows, stats, machine)
+    command, machine = command_line("bench.gallery", argv), machine_description()
+    text = document(command, rows, stats, machine)
     print(text)
     write_section(args.out, "bench.gallery", text)
     if args.json:

@@ -10,7 +10,6 @@ asserted. What the tables mean is written once, in docs/benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.ceiling import STAGES, PhotoCeiling, best
-from bench.core.reporting import fmt, markdown_table, table, write_section
+from bench.core.reporting import cli, fmt, markdown_table, table, write_section
 from bench.latency import PairedLatency
 from bench.results import (
     HIGH_CONCURRENCY,
@@ -433,8 +432,7 @@ def _section(out: Path, text: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench.report", __doc__)
     parser.add_argument("--rerender", type=Path, required=True, metavar="FOLDER",
                         help="a report folder with runs/results.json (e.g. docs/benchmarks)")
     args = parser.parse_args(argv)
