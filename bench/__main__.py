@@ -50,7 +50,6 @@ class Plan:
     memory_minutes: float
     concurrency: tuple[int, ...]
     photos: tuple[str, ...]
-    naive_threads: tuple[int, ...]
     naive_variants: tuple[str, ...]
     ceiling: ceiling.CeilingOptions
     enroll_images: int
@@ -77,7 +76,7 @@ def plan(args: argparse.Namespace) -> Plan:
         seconds=seconds,
         memory_minutes=args.memory_minutes if args.memory_minutes is not None else (0.5 if quick else 10.0),
         concurrency=tuple(args.concurrency), photos=tuple(args.photos),
-        naive_threads=tuple(args.naive_threads), naive_variants=tuple(dict.fromkeys(args.naive_variants)),
+        naive_variants=tuple(dict.fromkeys(args.naive_variants)),
         ceiling=ceiling.CeilingOptions(
             seconds=seconds, repeats=2 if quick else 5, split_repeats=5 if quick else 15,
             embedder_batches=(1, 4, 16) if quick else ceiling.EMBEDDER_BATCHES,
@@ -246,9 +245,8 @@ def _start(r: Run, servers: ExitStack, naive_apps: ExitStack, repository: Path) 
         if models is None:  # the plain models failed: reported already
             continue
         try:
-            for threads in r.plan.naive_threads:
-                server = naive.naive_server(models, threads, variant)
-                r.naive_servers.append(naive_apps.enter_context(server))
+            server = naive.naive_server(models, naive.THREADS, variant)
+            r.naive_servers.append(naive_apps.enter_context(server))
         except Exception as exc:  # reported; the stack is still measured
             log.exception("the naive %s app did not start", variant)
             r.results.errors[f"naive {variant}"] = f"the naive {variant} app did not start: {exc}"
@@ -263,7 +261,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> Results:
     results = Results(" ".join(["python -m bench", *argv]).strip(), time.strftime("%Y-%m-%d %H:%M %Z"), "", {
         "seconds per point": p.seconds, "concurrency": list(p.concurrency), "photos": list(p.photos),
         "memory minutes": p.memory_minutes, "naive variants": list(p.naive_variants),
-        "naive intra-op threads": list(p.naive_threads),
         "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts]})
     models = served_models(args.repository)
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
@@ -303,9 +300,6 @@ def arguments() -> argparse.ArgumentParser:
                         "naive and the memory run; default: obama.jpg t1.jpg)")
     parser.add_argument("--naive-variants", nargs="+", default=list(naive.VARIANTS), choices=naive.VARIANTS,
                         help="naive baselines (default: both)")
-    parser.add_argument("--naive-threads", type=int, nargs="+", default=list(naive.THREADS),
-                        help="naive intra-op threads, for every variant (default: 1; 2 lost at every "
-                        "concurrency on 2 cores)")
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x1"],
                         help="ceiling: processes x intra-op threads (default: 1x1 1x2 2x1)")
     parser.add_argument("--enroll-images", type=int, help="bench.enroll images (default: 100; quick: 24)")

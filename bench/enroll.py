@@ -1,14 +1,12 @@
 """Enrollment throughput: the batch importer against raw ``face_pipeline`` on the same images.
 
     python -m bench.enroll                       # 200 images, 8 in flight, starts the bundled Triton
-    python -m bench.enroll --images 60 --database-url postgresql+psycopg://postgres@127.0.0.1/bench
     python -m bench.enroll --url 127.0.0.1:8001  # a running Triton
 
 Distinct one-face JPEGs made from the four test portraits (a random crop, rescale, colour shift and JPEG
 quality). The raw run sends them through ``face_pipeline`` with as many requests in flight as the import,
-``recognition.importer.Importer``, into a fresh SQLite database (and with --database-url a fresh
-collection there, deleted afterwards). Import / raw is what the importer costs on top of inference
-(target: >= 0.9). docs/benchmarks/gallery.md says how to read the section.
+``recognition.importer.Importer``, into a fresh SQLite database. Import / raw is what the importer costs
+on top of inference (target: >= 0.9). docs/benchmarks/gallery.md says how to read the section.
 """
 
 from __future__ import annotations
@@ -167,7 +165,7 @@ async def raw_run(client: AsyncPipelineClient, payloads: Sequence[bytes], concur
 
 async def import_run(client: AsyncPipelineClient, spec: ModelSpec, url: str, items: list[ImportItem],
                      concurrency: int) -> Run:
-    """One import into a new collection of the database at ``url`` (deleted afterwards)."""
+    """One import into a new collection of the database at ``url``."""
     store = TimedStore(open_store(url).db)
     collection = f"bench-enroll-{uuid.uuid4().hex[:8]}"
     store.create_collection(collection, spec.name, spec.embedding_dim, spec.match_threshold)
@@ -185,11 +183,10 @@ async def import_run(client: AsyncPipelineClient, spec: ModelSpec, url: str, ite
                store.write_seconds, dict(statuses))
 
 
-async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int,
-                    database_urls: list[str | None], concurrency: int, per_identity: int,
-                    repeats: int) -> list[list[Run]]:
-    """Make and check the images (which also warms Triton up), then ``repeats`` rounds of every path.
-    A database URL of None means a new SQLite file next to the images for every round."""
+async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int, concurrency: int,
+                    per_identity: int, repeats: int) -> list[list[Run]]:
+    """Make and check the images (which also warms Triton up), then ``repeats`` rounds of both paths, the
+    import into a new SQLite file each round."""
     client = AsyncPipelineClient(url)
     try:
         spec = await client.embedder()
@@ -198,16 +195,16 @@ async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int,
         payloads = [path.read_bytes() for path in paths]
         items = [ImportItem(path, f"person-{i // per_identity:05d}", f"Person {i // per_identity}")
                  for i, path in enumerate(paths)]
-        targets: list[str | None] = ["raw", *database_urls]
+        targets = ("raw", "import")
 
-        async def one(target: str | None) -> Run:
+        async def one(target: str) -> Run:
             if target == "raw":
                 return await raw_run(client, payloads, concurrency)
             fresh = f"sqlite:///{folder / f'gallery-{uuid.uuid4().hex[:8]}.db'}"
-            return await import_run(client, spec, target or fresh, items, concurrency)
+            return await import_run(client, spec, fresh, items, concurrency)
 
         rounds = []
-        for round_ in range(repeats):  # each round starts with a different path: drift hits all alike
+        for round_ in range(repeats):  # each round starts with the other path: drift hits both alike
             order = [(round_ + j) % len(targets) for j in range(len(targets))]
             done = {j: await one(targets[j]) for j in order}
             runs = [done[j] for j in range(len(targets))]
@@ -263,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")
     parser.add_argument("--url", help="gRPC address of a running Triton (default: start the bundled one)")
     parser.add_argument("--repository", type=Path, default=REPOSITORY)
-    parser.add_argument("--database-url", help="also import into this database (e.g. PostgreSQL)")
     parser.add_argument("--per-identity", type=int, default=4, help="images per identity (default: 4)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported (default: 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")
@@ -277,9 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-enroll-")))
         url = stack.enter_context(triton_url(args.url, args.repository,
                                              ARTIFACTS / "bench-enroll-tritonserver.log"))
-        databases: list[str | None] = [None, *([args.database_url] if args.database_url else [])]
-        rounds = asyncio.run(benchmark(url, photos, folder, args.images, databases, args.concurrency,
-                                       args.per_identity, args.repeats))
+        rounds = asyncio.run(benchmark(url, photos, folder, args.images, args.concurrency, args.per_identity,
+                                       args.repeats))
     rows = summary(rounds)
     command = reporting.command_line("bench.enroll", argv)
     text = document(command, triton, args.concurrency, args.per_identity, rows)

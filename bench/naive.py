@@ -27,8 +27,8 @@ from service.launcher import stop_process
 
 log = logging.getLogger(__name__)
 
-#: 1 intra-op thread per session: on the recorded 2-core run 2 threads lost at every concurrency.
-THREADS = (1,)
+#: Intra-op threads per session: on the recorded 2-core run, 2 lost at every concurrency.
+THREADS = 1
 SERVED, PLAIN, VARIANTS = plain_part.SERVED, plain_part.PLAIN, plain_part.VARIANTS
 
 

@@ -98,7 +98,7 @@ def test_memory_flatness_and_quick_plan() -> None:
     assert flat["max_deviation_pct"] == pytest.approx(8.0) and flat["end_change_pct"] == pytest.approx(5.0)
     quick = bench_main.plan(bench_main.arguments().parse_args(["--quick"]))
     assert quick.seconds == 2 and quick.memory_minutes == 0.5 and quick.ceiling.embedder_batches == (1, 4, 16)
-    assert quick.naive_variants == ("served", "plain") and quick.naive_threads == (1,)
+    assert quick.naive_variants == ("served", "plain")
     full = bench_main.plan(bench_main.arguments().parse_args([]))
     assert full.seconds == 10 and full.memory_minutes == 10 and full.gallery_args == ("--quick",)
     assert full.ceiling.layouts == ((1, 1), (1, 2), (2, 1))
@@ -202,7 +202,7 @@ def test_the_whole_suite_runs_and_writes_the_report(tmp_path: Path, cpu_reposito
                                                     served_runtime: str) -> None:
     out = tmp_path / "benchmarks"
     argv = ["--quick", "--seconds", "1", "--memory-minutes", "0.1", "--concurrency", "1", "8", "16",
-            "--photos", "obama.jpg", "--naive-threads", "1", "--layouts", "1x1",
+            "--photos", "obama.jpg", "--layouts", "1x1",
             "--enroll-images", "8",
             "--latency-rounds", "5",
             "--gallery-sizes", "1000", "--gallery-dims", "16", "--repository", str(cpu_repository),
