@@ -144,8 +144,6 @@ def loads(r: Run) -> None:
     client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
     try:
         for name, data in r.photos.items():
-            if running:
-                log.info("REST identify %s: %s", name, stack.decisions(running, name, data))
             for c in p.concurrency:
                 for server in r.naive_servers:
                     rows[server.variant].append(naive.measure_once(server, name, data, c, p.seconds))

@@ -88,14 +88,11 @@ def measure(running: Stack, models: ServedModels, photos: Mapping[str, bytes], t
         for photo, data in photos.items():
             count = threads.get(photo, THREADS)
             detector, embedder = models.detector(count), models.embedder(count)
-            sender = identify_sender(running, photo, data)
-            try:
+            with identify_sender(running, photo, data) as sender:
                 calls: dict[str, Callable[[], object]] = {
                     CEILING: partial(process, [data], settings, detector, embedder),
                     GRPC: partial(client.infer, data, max_faces=MAX_FACES), REST: sender}
                 out.append(summarize(photo, alternate(calls, rounds, pause_s), count, pause_s))
-            finally:
-                sender.close()
     finally:
         client.close()
     return out

@@ -1,13 +1,9 @@
 """The plain baseline's models: what a straightforward deployment of the same two networks runs.
 
-``face_pipeline`` does less work than the obvious approach without changing its decisions (the detector
-input sized to each image, reduced JPEG decode, the uint8 detector, SFace's PReLU rewritten, OpenVINO).
-The *plain* variant undoes all of it: ONNX Runtime f32, the original float NCHW detector fed through
-``to_tensor``, a fixed 640x640 letterbox, full-size decode, and SFace converted from the pinned int8 file
-without the PReLU rewrite (``export.sface.convert_plain_sface``, built once under ``artifacts/onnx``).
-``prepare`` proves both are the served networks: the same embeddings within ``TOLERANCE`` on every face
-the served detector finds (and their mirror images), the same detector outputs within
-``DETECTOR_TOLERANCE`` on the photos letterboxed to 640x640.
+``face_pipeline`` does less work than the obvious approach without changing its decisions; *plain* undoes
+all of it: ONNX Runtime f32, the original float NCHW detector, a fixed 640x640 letterbox, full-size
+decode, and SFace converted from the pinned int8 file without the PReLU rewrite
+(``export.sface.convert_plain_sface``). ``prepare`` proves both are the served networks.
 """
 
 from __future__ import annotations
@@ -35,13 +31,11 @@ from facecore.spec import InputLayout
 
 log = logging.getLogger(__name__)
 
-#: The pinned int8 SFace (``python -m export defaults`` fetches it) and its conversion without the rewrite.
 SHIPPED_SFACE = ARTIFACTS / "onnx" / SHIPPED_FILE
 PLAIN_EMBEDDER = ARTIFACTS / "onnx" / PLAIN_FILE
-#: The detector as ``python -m export defaults`` fetches it: float NCHW input, before the uint8 edit.
+#: The detector before the uint8 edit, as ``python -m export defaults`` fetches it.
 PLAIN_DETECTOR = ARTIFACTS / "onnx" / "retinaface_mnet025.fp32.bdyn.hwdyn.onnx"
-#: Largest |difference| allowed between its outputs and the served detector's (measured: ~1e-5; the
-#: uint8 edit moves mean subtraction into the graph, float rounding only).
+#: The uint8 edit moves the mean subtraction into the graph: float rounding only.
 DETECTOR_TOLERANCE = 1e-3
 ONNXRUNTIME = RuntimeChoice(Runtime.ONNXRUNTIME, "f32", 1)
 SERVED, PLAIN = "served", "plain"
@@ -50,9 +44,8 @@ VARIANTS = (SERVED, PLAIN)
 
 @dataclass(frozen=True)
 class PlainModels:
-    """The plain variant's models and the check that its embedder is the served network."""
+    """The plain variant's models and the check that they are the served networks."""
 
-    #: plain settings (fixed input, full decode), ONNX Runtime, original detector, PReLU embedder
     models: ServedModels
     prelu_nodes: int  # PRelu nodes in the plain embedder
     served_prelu_nodes: int  # ... and in the served one (0 once rewritten)
@@ -70,15 +63,14 @@ class PlainModels:
 
 
 def plain_settings(settings: PipelineSettings) -> PipelineSettings:
-    """The served settings without the work reductions: fixed detector input, full-size decode, the
-    detector fed float NCHW."""
+    """The served settings without the work reductions."""
     return replace(settings, dynamic_input=False, decode_min_side=0,
                    detector=replace(settings.detector, input_layout=InputLayout.NCHW_FLOAT))
 
 
 def plain_models(models: ServedModels, embedder_file: Path = PLAIN_EMBEDDER,
                  detector_file: Path = PLAIN_DETECTOR) -> ServedModels:
-    """What the plain variant runs (nothing checked here: ``prepare`` does that)."""
+    """What the plain variant runs (``prepare`` checks it)."""
     size = "x".join(map(str, models.settings.detector.input_size))
     return replace(models, settings=plain_settings(models.settings), detector_file=detector_file,
                    embedder_file=embedder_file, detector_runtime=ONNXRUNTIME, embedder_runtime=ONNXRUNTIME,
@@ -87,7 +79,7 @@ def plain_models(models: ServedModels, embedder_file: Path = PLAIN_EMBEDDER,
 
 
 def detector_difference(served: ServedModels, plain: ServedModels, photos: Mapping[str, bytes]) -> float:
-    """Largest |difference| between the plain and the served detector's outputs (both on ONNX Runtime) on
+    """Largest |difference| between the plain and the served detector's outputs on ONNX Runtime, on
     ``photos`` letterboxed to the fixed input, each fed its own way (float NCHW / uint8 NHWC)."""
     spec, plain_spec = served.settings.detector, plain.settings.detector
     run_served = runner(served.detector_file, spec.output_names, ONNXRUNTIME)
@@ -117,9 +109,9 @@ def aligned_faces(models: ServedModels, photos: Mapping[str, bytes]) -> ImageArr
 
 def prepare(models: ServedModels, photos: Mapping[str, bytes], target: Path = PLAIN_EMBEDDER,
             source: Path = SHIPPED_SFACE, detector_file: Path = PLAIN_DETECTOR) -> PlainModels:
-    """Build (or reuse) the plain embedder and check both plain networks against the served ones; raises
-    when one is not the same network (no PReLU; embeddings or detector outputs further apart than
-    ``TOLERANCE`` / ``DETECTOR_TOLERANCE``; no original detector file)."""
+    """Build (or reuse) the plain embedder and check both plain networks against the served ones (the
+    embeddings of every face found and its mirror image, the detector's outputs); raises when one is not
+    the same network."""
     if not detector_file.exists():
         raise FileNotFoundError(f"no original detector at {detector_file}: run `python -m export defaults`")
     built = convert_plain_sface(source, target)

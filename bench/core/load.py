@@ -146,6 +146,12 @@ class MultipartSender:
             raise RuntimeError(f"{self.url}: {response.status} {content[:300]!r}")
         return content
 
+    def __enter__(self) -> MultipartSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             for connection in self._connections:
