@@ -123,9 +123,6 @@ def run_part(results: Results, name: str, skip: frozenset[str], work: Callable[[
         results.seconds[name] = time.perf_counter() - began
 
 
-# --- the parts ------------------------------------------------------------------------------------------
-
-
 def in_process(r: Run) -> None:
     r.results.ceiling = ceiling.run(r.models, r.photos, r.plan.ceiling)
 

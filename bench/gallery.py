@@ -22,18 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.core import reporting
 from bench.core.inputs import ROOT
-from bench.core.reporting import (
-    MIB,
-    cli,
-    command_line,
-    fmt,
-    log_progress,
-    machine_description,
-    run_header,
-    table,
-    write_section,
-)
+from bench.core.reporting import MIB, fmt, table
 from bench.gallery_engines import (
     CONCURRENCY,
     Row,
@@ -171,12 +162,12 @@ def result_table(rows: list[Row]) -> str:
 def document(command: str, rows: list[Row], stats: list[tuple[int, int, DataStats]], machine: str) -> str:
     return "\n\n".join([
         "## Gallery search: exact, approximate candidates and Milvus-lite (`bench/gallery.py`)",
-        run_header(command, machine), result_table(rows), "Synthetic data (what the queries face):",
+        reporting.run_header(command, machine), result_table(rows), "Synthetic data (what the queries face):",
         table(stats, DATA)])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli("bench.gallery", __doc__)
+    parser = reporting.cli("bench.gallery", __doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--queries", type=int, default=200,
@@ -192,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    log_progress("faiss")  # its loader's messages about CPU variants
+    reporting.log_progress("faiss")  # its loader's messages about CPU variants
     sizes = [10_000, 100_000] if args.quick else args.sizes
     rows: list[Row] = []
     stats: list[tuple[int, int, DataStats]] = []
@@ -203,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             stats.append((size, dimension, case_stats))
             rows += case_rows
             print(result_table(case_rows), flush=True)
-    command, machine = command_line("bench.gallery", argv), machine_description()
+    command, machine = reporting.command_line("bench.gallery", argv), reporting.machine_description()
     text = document(command, rows, stats, machine)
     print(text)
-    write_section(args.out, "bench.gallery", text)
+    reporting.write_section(args.out, "bench.gallery", text)
     if args.json:
         results = {"command": command, "machine": machine, "rows": [asdict(r) for r in rows],
                    "data": [{"size": n, "dimension": d, **asdict(s)} for n, d, s in stats]}

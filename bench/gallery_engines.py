@@ -36,9 +36,6 @@ CONCURRENCY = (1, 8, 32)
 Search = Callable[[NDArray[np.float32], int], tuple[NDArray[Any], NDArray[Any]]]
 
 
-# --- memory ----------------------------------------------------------------------------------------
-
-
 def status_kib(key: str, pid: int | str = "self") -> int:
     match = re.search(rf"^{key}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
     return int(match.group(1)) if match else 0
@@ -69,9 +66,6 @@ class MemoryProbe:
         release_free_memory()
         self.retained = (status_kib("VmRSS") - before) * 1024
         self.peak = (status_kib("VmHWM") - before) * 1024
-
-
-# --- one index -------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -1,6 +1,5 @@
-"""The serving report of ``python -m bench``: the targets and ratios, evaluated from the run's ``Results``
-(``bench/results.py``), and every part's figures, as Markdown tables between the markers of
-``<out>/README.md``; the plots beside it, the raw numbers in ``<out>/runs/results.json``.
+"""The serving report of ``python -m bench``: the targets and ratios, evaluated from the run's ``Results``,
+and every part's figures, as Markdown tables between the markers of ``<out>/README.md``.
 
     python -m bench.report --rerender docs/benchmarks   # the section again from its runs/results.json
 
@@ -36,11 +35,8 @@ from bench.stack import GRPC, REST, MemoryRun
 
 SECTION = "bench"
 PLOTS = {"throughput": "throughput.png", "latency": "latency.png", "memory": "memory.png"}
-#: Where a run's raw numbers go in the report folder, beside the dated runs kept for the docs.
 RESULTS = Path("runs") / "results.json"
 
-
-# --- targets and ratios: records, evaluated by one function -----------------------------------------------
 
 #: A figure read from the results (None: not measured in this run).
 Quantity = Callable[[Results], float | None]
@@ -63,7 +59,6 @@ def amount(quantity: Quantity, unit: str) -> Measure:
 
 
 def _field(row: object | None, name: str) -> float | None:
-    """``row.name``, or None when there is no row."""
     return None if row is None else float(getattr(row, name))
 
 
@@ -76,8 +71,8 @@ def ceiling_rate(photo: str, variant: str = "served") -> Quantity:
 
 
 def outside_networks(concurrency: int) -> Quantity:
-    """face_pipeline's time outside the two networks per image, from Triton's statistics (gRPC, 1 face);
-    None in the in_process layout: the networks run inside face_pipeline, Triton cannot tell them apart."""
+    """face_pipeline's time outside the two networks per image in Triton's statistics (gRPC, 1 face); None
+    in the in_process layout, where Triton cannot tell the networks' time from face_pipeline's."""
     def get(results: Results) -> float | None:
         row = find(results.stack, GRPC, ONE_FACE, concurrency)
         return ((row.triton or {}) if row else {}).get("face_pipeline", {}).get("outside_models_ms_per_image")
@@ -89,8 +84,8 @@ def split_outside(results: Results) -> float | None:
 
 
 def p50_at_1(target: str, paired: bool) -> tuple[Quantity, Quantity]:
-    """p50 at concurrency 1 and the ceiling's single image: from the paired rounds (``bench/latency.py``,
-    both timed in turn) or from the closed loop and the ceiling part, minutes apart."""
+    """p50 at concurrency 1 and the ceiling's single image: from the paired rounds (``bench/latency.py``)
+    or from the closed loop and the ceiling part, minutes apart."""
     if paired:
         def rounds(r: Results) -> PairedLatency | None:
             return next((x for x in r.paired_latency if x.photo == ONE_FACE), None)
@@ -108,7 +103,7 @@ def latency(target: str) -> Measure:
 
 
 def holds(photo: str) -> Measure:
-    """REST identify at the high concurrency over its best: the median of the alternating rounds
+    """REST identify at the high concurrency over its best: the alternating rounds' median
     (``stack.hold_check``) when the run has them, else the sweep's two windows."""
     sweep = ratio(lambda r: _field(find(r.stack, REST, photo, HIGH_CONCURRENCY), "throughput"),
                   lambda r: _field(peak(r.stack, REST, photo), "throughput"), "images/s")
@@ -128,14 +123,12 @@ def tail(photo: str) -> Measure:
 
 
 def memory_drift(process: str) -> Quantity:
-    """The largest deviation of a process's PSS from its start over the memory run, in percent."""
     return lambda r: m.flatness(process)["max_deviation_pct"] if (m := r.memory) and m.rss_mib.get(process) \
         else None
 
 
 def triton_pss(results: Results) -> float | None:
-    """The largest Triton tree PSS at the high concurrency: the memory run's samples, the ends of the
-    load runs."""
+    """The largest Triton tree PSS at the high concurrency: the memory run's samples, the load runs' ends."""
     seen = [r.rss_mib["triton"] for r in results.stack
             if r.concurrency == HIGH_CONCURRENCY and "triton" in r.rss_mib]
     if (memory := results.memory) and memory.concurrency == HIGH_CONCURRENCY:
@@ -207,7 +200,6 @@ RATIOS: tuple[Target, ...] = tuple(target for p in PHOTOS for target in (
 
 
 def judge(target: Target, results: Results) -> list[str]:
-    """The target's row: its name, the value as measured, its bound and whether it holds."""
     measured = target.measure(results)
     bound = "—" if target.bound is None else f"{'<=' if target.at_most else '>='} {target.bound:g}"
     if measured is None:
@@ -227,11 +219,7 @@ def evaluate(targets: Sequence[Target], results: Results) -> str:
     return markdown_table(["figure", "measured", "bound", "result"], rows)
 
 
-# --- the parts' tables --------------------------------------------------------------------------------
-
-
 def _by_thread(sweep: dict[int, dict[int, float]]) -> str:
-    """The best batch size and its ms per item, for each thread count."""
     return " / ".join(f"{t} thr: {best(v)}: {v[best(v)]:.1f}" for t, v in sweep.items()) or "—"
 
 
@@ -293,7 +281,7 @@ def _joined(values: Sequence[float], spec: str) -> str:
 
 
 def _sweeps(rows: Sequence[PhotoCeiling]) -> list[tuple[object, ...]]:
-    """The detector sweeps of each photo, variant and input size; the embedder's of each variant."""
+    """The detector sweeps of each photo and variant; the embedder's of each variant."""
     out: list[tuple[object, ...]] = [
         (r.label, r.variant, f"{r.input_size[0]}x{r.input_size[1]}", "detector, ms per image", t, v)
         for r in rows for t, v in r.detector_ms.items()]
@@ -363,9 +351,6 @@ def document(results: Results, written: Mapping[str, str]) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
-# --- plots --------------------------------------------------------------------------------------------
-
-
 Panels = dict[str, dict[str, list[tuple[float, float]]]]  # panel title -> line label -> (x, y) points
 
 
@@ -409,9 +394,6 @@ def plots(results: Results, out: Path) -> dict[str, str]:
     return written
 
 
-# --- files --------------------------------------------------------------------------------------------
-
-
 def write(results: Results, out: Path) -> Path:
     """Plots, ``runs/results.json`` and this run's section of ``out/README.md``; returns the README path."""
     (out / RESULTS).parent.mkdir(parents=True, exist_ok=True)
@@ -420,8 +402,7 @@ def write(results: Results, out: Path) -> Path:
 
 
 def rerender(out: Path) -> Path:
-    """The section again from ``out/runs/results.json`` and the plots already there (after a change to
-    this code: no benchmark runs)."""
+    """The section again from ``out/runs/results.json`` and the plots already there (no benchmark runs)."""
     results = Results.from_json(json.loads((out / RESULTS).read_text()))
     return _section(out, document(results, {k: v for k, v in PLOTS.items() if (out / v).exists()}))
 

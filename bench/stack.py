@@ -22,18 +22,10 @@ import cv2
 import httpx
 import numpy as np
 
+from bench.core import processes
 from bench.core.inputs import ARTIFACTS, REPOSITORY, load_photos
 from bench.core.load import LoadRow, MultipartSender, closed_loop, run_load
-from bench.core.processes import (
-    RssSampler,
-    Watched,
-    free_port,
-    process_label,
-    process_tree,
-    resident_bytes,
-    rss_bytes,
-    start_server,
-)
+from bench.core.processes import Watched
 from bench.core.reporting import MIB
 from bench.core.triton import bundled_triton
 from facecore.client import PipelineClient
@@ -81,14 +73,14 @@ def setup_collection(url: str, admin_key: str, enroll: bytes) -> str:
 def start_gateway(triton: str, workdir: Path, log_file: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     """The gateway as ``make run`` starts it, on a free port, its SQLite gallery and snapshots in
     ``workdir``. Returns the process, its URL and its admin key."""
-    admin_key, port = secrets.token_urlsafe(24), free_port()
+    admin_key, port = secrets.token_urlsafe(24), processes.free_port()
     env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": admin_key,
            "FACEREC_DATABASE__URL": f"sqlite:///{workdir / 'gallery.db'}",
            "FACEREC_GALLERY__SNAPSHOT_DIR": str(workdir / "index"), "FACEREC_LOG_LEVEL": "WARNING"}
     command = [sys.executable, "-m", "service", "--triton-url", triton, "--host", "127.0.0.1",
                "--port", str(port), "--admin-key-file", str(workdir / "admin_key")]
     url = f"http://127.0.0.1:{port}"
-    return start_server(command, env, log_file, f"{url}/health/ready"), url, admin_key
+    return processes.start_server(command, env, log_file, f"{url}/health/ready"), url, admin_key
 
 
 @contextmanager
@@ -225,12 +217,12 @@ def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency
     images = shape_variants(data)
     with MultipartSender(stack.identify_url, "image", name, images, {"X-API-Key": stack.key}) as sender:
         closed_loop(sender, concurrency, warmup)
-        with RssSampler(stack.watched(), interval) as sampler:
+        with processes.RssSampler(stack.watched(), interval) as sampler:
             row = run_load(f"{REST} (memory run)", name, sender, concurrency, minutes * 60, stack.watched(),
                            stack.triton_grpc)
-    breakdown = {f"{process_label(pid)} [{pid}]": resident_bytes([pid]) / MIB
-                 for pid in process_tree(stack.triton_pid)}
-    summed_rss = {w.name: rss_bytes(w.pids()) / MIB for w in stack.watched()}
+    breakdown = {f"{processes.process_label(pid)} [{pid}]": processes.resident_bytes([pid]) / MIB
+                 for pid in processes.process_tree(stack.triton_pid)}
+    summed_rss = {w.name: processes.rss_bytes(w.pids()) / MIB for w in stack.watched()}
     return MemoryRun(minutes, concurrency, interval, [t for t, _ in sampler.samples],
                      {w.name: [s[w.name] / MIB for _, s in sampler.samples] for w in stack.watched()}, row,
                      warmup, breakdown, summed_rss, len(images))

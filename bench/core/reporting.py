@@ -92,9 +92,6 @@ def fmt(value: float | None, digits: int) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
-# --- the machine ------------------------------------------------------------------------------------
-
-
 def package_version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
