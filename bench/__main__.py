@@ -1,4 +1,4 @@
-"""The serving comparison on this machine; writes ``docs/benchmarks/`` (Markdown tables, PNG plots, JSON).
+"""The serving comparison on this machine; writes ``docs/benchmarks/`` (Markdown tables and JSON).
 
     python -m bench                     # the full run: ~25-30 minutes, 10 of them the memory run
     python -m bench --quick             # ~3 minutes: shorter runs, a 30 s memory run, a small gallery
@@ -10,7 +10,7 @@ concurrency; on the stack, latency at concurrency 1 paired (``bench/latency.py``
 concurrency against 16), enroll (``bench/enroll.py``) and memory; alone again, the ceiling's second pass
 and the gallery (``bench/gallery.py``, its quick sizes unless ``--full-gallery``).
 
-The targets, ratios, tables and plots go to ``<out>/README.md``, the raw numbers to
+The targets, ratios and tables go to ``<out>/README.md``, the raw numbers to
 ``<out>/runs/results.json``, the gallery and enrollment sections to ``<out>/gallery.md``. A part that
 fails is reported with its error; the others still run (exit code 1).
 """

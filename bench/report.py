@@ -34,7 +34,6 @@ from bench.results import (
 from bench.stack import GRPC, REST, MemoryRun
 
 SECTION = "bench"
-PLOTS = {"throughput": "throughput.png", "latency": "latency.png", "memory": "memory.png"}
 RESULTS = Path("runs") / "results.json"
 
 
@@ -311,7 +310,7 @@ def header(results: Results) -> str:
     return markdown_table(["the run", ""], [[k, v] for k, v in rows.items()])
 
 
-def document(results: Results, written: Mapping[str, str]) -> str:
+def document(results: Results) -> str:
     """The report section: the targets and ratios, then every part's tables."""
     parts = ["## Serving: ceiling, naive baselines, our stack, memory (`python -m bench`)", header(results)]
     if results.errors:
@@ -319,9 +318,6 @@ def document(results: Results, written: Mapping[str, str]) -> str:
                                                                              results.errors.items()])]
     parts += ["### Targets (reported, not asserted)", evaluate(TARGETS, results),
               "### Ratios (both sides measured in this run)", evaluate(RATIOS, results)]
-    if "error" in written:
-        parts.append(f"*{written['error']}*")
-    parts += ["\n".join(f"![{name}]({file})" for name, file in written.items() if name in PLOTS)]
     if results.ceiling:
         splits = [(r, s) for r in results.ceiling for s in r.splits]
         parts += ["### Ceiling: in-process (`bench/ceiling.py`)", table(results.ceiling, CEILING),
@@ -351,60 +347,16 @@ def document(results: Results, written: Mapping[str, str]) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
-Panels = dict[str, dict[str, list[tuple[float, float]]]]  # panel title -> line label -> (x, y) points
-
-
-def plots(results: Results, out: Path) -> dict[str, str]:
-    """PNG plots into ``out``; returns {plot: file name}, or {"error": why} without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        return {"error": f"plots skipped: {exc} (install the `bench` extra: matplotlib)"}
-    throughput: Panels = {}  # per photo, a line per target
-    latency: Panels = {}  # per target, p50 and p99 on the 1-face photo
-    for r in sorted([*results.stack, *results.naive, *results.naive_plain], key=lambda r: r.concurrency):
-        throughput.setdefault(r.photo, {}).setdefault(r.target, []).append((r.concurrency, r.throughput))
-        for key in ("p50_ms", "p99_ms") if r.photo == ONE_FACE else ():
-            latency.setdefault(r.target, {}).setdefault(key, []).append((r.concurrency, getattr(r, key)))
-    for photo, panel in throughput.items():
-        if rate := ceiling_rate(photo)(results):
-            panel["in-process ceiling"] = [(1, rate), (HIGH_CONCURRENCY, rate)]
-    memory = results.memory
-    pss: Panels = {name: {"PSS MiB": list(zip([t / 60 for t in memory.times_s], values, strict=True))}
-                   for name, values in memory.rss_mib.items()} if memory else {}
-    written = {}
-    for name, panels, x, y in (("throughput", throughput, "concurrency", "images/s"),
-                               ("latency", latency, "concurrency", "ms"), ("memory", pss, "minutes", "MiB")):
-        if not panels:
-            continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.3), squeeze=False)
-        for ax, (title, panel) in zip(axes[0], panels.items(), strict=True):
-            for label, points in panel.items():
-                ax.plot(*zip(*points, strict=True), marker="o", label=label)
-            ax.set(xscale="log" if x == "concurrency" else "linear", xlabel=x, ylabel=y, title=title)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        out.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out / PLOTS[name], dpi=110)
-        plt.close(fig)
-        written[name] = PLOTS[name]
-    return written
-
-
 def write(results: Results, out: Path) -> Path:
-    """Plots, ``runs/results.json`` and this run's section of ``out/README.md``; returns the README path."""
+    """``runs/results.json`` and this run's section of ``out/README.md``; returns the README path."""
     (out / RESULTS).parent.mkdir(parents=True, exist_ok=True)
     (out / RESULTS).write_text(json.dumps(results.to_json(), indent=2, default=str))
-    return _section(out, document(results, plots(results, out)))
+    return _section(out, document(results))
 
 
 def rerender(out: Path) -> Path:
-    """The section again from ``out/runs/results.json`` and the plots already there (no benchmark runs)."""
-    results = Results.from_json(json.loads((out / RESULTS).read_text()))
-    return _section(out, document(results, {k: v for k, v in PLOTS.items() if (out / v).exists()}))
+    """The section again from ``out/runs/results.json`` (no benchmark runs)."""
+    return _section(out, document(Results.from_json(json.loads((out / RESULTS).read_text()))))
 
 
 def _section(out: Path, text: str) -> Path:
