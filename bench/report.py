@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.ceiling import STAGES, PhotoCeiling, best
+from bench.ceiling import STAGES, best
 from bench.core.reporting import cli, fmt, markdown_table, table, write_section
 from bench.latency import PairedLatency
 from bench.results import (
@@ -238,8 +238,6 @@ CEILING = (("photo", "{0.label}"), ("variant", "{0.variant}"), ("runtime", "{0.r
 SPLIT = (("photo", "{0.label}"), ("variant", "{0.variant}"), ("input", "{0.input_size[0]}x{0.input_size[1]}"),
          ("threads", "{1.threads}"), *((stage, f"{{1.stages_ms[{stage}]:.2f}}") for stage in STAGES),
          ("total ms", "{1.total_ms:.1f}"), ("outside the two networks ms", "{1.outside_models_ms:.2f}"))
-SWEEP = (("photo", "{0}"), ("variant", "{1}"), ("input", "{2}"), ("network", "{3}"), ("threads", "{4}"),
-         ("batch: ms", lambda x: ", ".join(f"{b}: {v:.1f}" for b, v in x[5].items())))
 LOAD = (("target", "{0.target}"), ("photo", "{0.photo}"), ("concurrency", "{0.concurrency}"),
         ("images/s", "{0.throughput:.1f}"), ("p50 ms", "{0.p50_ms:.0f}"), ("p90 ms", "{0.p90_ms:.0f}"),
         ("p99 ms", "{0.p99_ms:.0f}"), ("errors", "{0.errors}"),
@@ -279,19 +277,6 @@ def _joined(values: Sequence[float], spec: str) -> str:
     return " / ".join(format(v, spec) for v in values)
 
 
-def _sweeps(rows: Sequence[PhotoCeiling]) -> list[tuple[object, ...]]:
-    """The detector sweeps of each photo and variant; the embedder's of each variant."""
-    out: list[tuple[object, ...]] = [
-        (r.label, r.variant, f"{r.input_size[0]}x{r.input_size[1]}", "detector, ms per image", t, v)
-        for r in rows for t, v in r.detector_ms.items()]
-    embedders: dict[str, dict[int, dict[int, float]]] = {}
-    for r in rows:  # the sweep of each embedder once (the fixed input's is the served one)
-        if r.embedder_ms not in embedders.values():
-            embedders[r.variant] = r.embedder_ms
-    return out + [("all faces of the photos", variant, "112x112", "embedder, ms per face", t, v)
-                  for variant, sweep in embedders.items() for t, v in sweep.items()]
-
-
 def _memory(memory: MemoryRun) -> list[str]:
     flat = [(name, memory.flatness(name)) for name in memory.rss_mib if memory.flatness(name)]
     ends = {"Triton's processes at the end (PSS MiB)": memory.breakdown_mib,
@@ -321,8 +306,7 @@ def document(results: Results) -> str:
     if results.ceiling:
         splits = [(r, s) for r in results.ceiling for s in r.splits]
         parts += ["### Ceiling: in-process (`bench/ceiling.py`)", table(results.ceiling, CEILING),
-                  "Stage split, one image at a time (ms, medians):", table(splits, SPLIT),
-                  "Batch sweeps (ms per item at batch size):", table(_sweeps(results.ceiling), SWEEP)]
+                  "Stage split, one image at a time (ms, medians):", table(splits, SPLIT)]
     load = [*results.naive, *results.naive_plain, *results.stack]
     if load:
         parts += ["### Naive baselines and our stack under load (`bench/naive.py`, `bench/stack.py`)",
