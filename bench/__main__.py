@@ -50,7 +50,6 @@ class Plan:
     memory_minutes: float
     concurrency: tuple[int, ...]
     photos: tuple[str, ...]
-    naive_variants: tuple[str, ...]
     ceiling: ceiling.CeilingOptions
     enroll_images: int
     enroll_repeats: int
@@ -76,13 +75,12 @@ def plan(args: argparse.Namespace) -> Plan:
         seconds=seconds,
         memory_minutes=args.memory_minutes if args.memory_minutes is not None else (0.5 if quick else 10.0),
         concurrency=tuple(args.concurrency), photos=tuple(args.photos),
-        naive_variants=tuple(dict.fromkeys(args.naive_variants)),
         ceiling=ceiling.CeilingOptions(
             seconds=seconds, repeats=2 if quick else 5, split_repeats=5 if quick else 15,
             embedder_batches=(1, 4, 16) if quick else ceiling.EMBEDDER_BATCHES,
             threads=tuple(sorted({t for _, t in layouts})), layouts=layouts),
         enroll_images=args.enroll_images or (24 if quick else 100),
-        enroll_repeats=args.enroll_repeats or (1 if quick else 3),
+        enroll_repeats=1 if quick else 3,
         latency_rounds=args.latency_rounds or (30 if quick else latency.ROUNDS),
         gallery_args=gallery_args, skip=frozenset(args.skip))
 
@@ -213,7 +211,7 @@ ALONE_AGAIN: dict[str, Part] = {"ceiling, second pass": second_pass, "gallery": 
 def _plain(r: Run) -> None:
     """The plain variant's models (built or reused, checked against the served ones) when the plain naive
     baseline needs them; the error is reported when they cannot be had."""
-    if "naive" in r.plan.skip or naive.PLAIN not in r.plan.naive_variants:
+    if "naive" in r.plan.skip:
         return
     try:
         prepared = plain.prepare(r.models, r.photos)
@@ -235,7 +233,7 @@ def _start(r: Run, servers: ExitStack, naive_apps: ExitStack, repository: Path) 
             log.exception("the stack did not start")
             why = f"the stack did not start: {type(exc).__name__}: {exc}"
             r.results.errors |= dict.fromkeys(needing, why)
-    for variant in r.plan.naive_variants if "naive" not in r.plan.skip else ():
+    for variant in naive.VARIANTS if "naive" not in r.plan.skip else ():
         models = naive.variant_models(r.models, r.plain, variant)
         if models is None:  # the plain models failed: reported already
             continue
@@ -245,17 +243,13 @@ def _start(r: Run, servers: ExitStack, naive_apps: ExitStack, repository: Path) 
         except Exception as exc:  # reported; the stack is still measured
             log.exception("the naive %s app did not start", variant)
             r.results.errors[f"naive {variant}"] = f"the naive {variant} app did not start: {exc}"
-    first = r.plan.photos[0]
-    for app in r.naive_servers:
-        faces = naive.embed(app, first, r.photos[first])
-        log.info("naive %s, %s: %d face(s)", app.variant, first, len(faces))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> Results:
     p = plan(args)
     results = Results(" ".join(["python -m bench", *argv]).strip(), time.strftime("%Y-%m-%d %H:%M %Z"), "", {
         "seconds per point": p.seconds, "concurrency": list(p.concurrency), "photos": list(p.photos),
-        "memory minutes": p.memory_minutes, "naive variants": list(p.naive_variants),
+        "memory minutes": p.memory_minutes,
         "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts]})
     models = served_models(args.repository)
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
@@ -293,12 +287,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(stack.CONCURRENCY))
     parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photos (the first one also for "
                         "naive and the memory run; default: obama.jpg t1.jpg)")
-    parser.add_argument("--naive-variants", nargs="+", default=list(naive.VARIANTS), choices=naive.VARIANTS,
-                        help="naive baselines (default: both)")
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x1"],
                         help="ceiling: processes x intra-op threads (default: 1x1 1x2 2x1)")
     parser.add_argument("--enroll-images", type=int, help="bench.enroll images (default: 100; quick: 24)")
-    parser.add_argument("--enroll-repeats", type=int, help="bench.enroll rounds (default: 3; quick: 1)")
     parser.add_argument("--latency-rounds", type=int,
                         help=f"paired latency rounds per photo (default: {latency.ROUNDS}; quick: 30)")
     parser.add_argument("--gallery-sizes", type=int, nargs="+",
