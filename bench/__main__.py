@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench import ceiling, latency, naive, plain, report, stack
+from bench import ceiling, latency, naive, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
 from bench.core.reporting import cli, log_progress, machine_description, read_section
 from bench.results import HIGH_CONCURRENCY, Results, peak
@@ -214,7 +214,7 @@ def _plain(r: Run) -> None:
     if "naive" in r.plan.skip:
         return
     try:
-        prepared = plain.prepare(r.models, r.photos)
+        prepared = naive.prepare(r.models, r.photos)
     except Exception as exc:  # the served baseline and the stack are still measured
         log.exception("the plain variant's models are not usable")
         r.results.errors["naive plain"] = f"plain models: {type(exc).__name__}: {exc}"

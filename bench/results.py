@@ -28,7 +28,7 @@ class Results:
     served: str = ""  # the model repository's configuration (instances, batching, threads)
     ceiling: list[PhotoCeiling] = field(default_factory=list)
     naive: list[LoadRow] = field(default_factory=list)  # the naive app serving what face_pipeline serves
-    naive_plain: list[LoadRow] = field(default_factory=list)  # ... the plain way (bench/plain.py)
+    naive_plain: list[LoadRow] = field(default_factory=list)  # ... the plain way
     plain_check: str = ""  # PlainModels.describe: the plain networks are the served ones
     stack: list[LoadRow] = field(default_factory=list)
     paired_latency: list[PairedLatency] = field(default_factory=list)

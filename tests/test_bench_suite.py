@@ -17,7 +17,7 @@ import pytest
 
 import facecore.pipeline as pipeline_module
 from bench import __main__ as bench_main
-from bench import ceiling, naive, plain, report
+from bench import ceiling, naive, report
 from bench.core.inputs import served_models
 from bench.core.load import LoadRow
 from bench.core.reporting import read_section
@@ -108,21 +108,21 @@ def test_the_plain_embedder_is_the_served_network(tmp_path: Path, photos: dict[s
     models = served_models(cpu_repository)
     faces = {name: photos[name].read_bytes() for name in ("obama.jpg", "t1.jpg")}
     target = tmp_path / "sface.prelu.onnx"
-    prepared = plain.prepare(models, faces, target)
+    prepared = naive.prepare(models, faces, target)
     assert prepared.built and prepared.prelu_nodes > 0 and prepared.served_prelu_nodes == 0
-    assert prepared.faces == 2 * 7 and prepared.max_abs_diff <= plain.TOLERANCE
+    assert prepared.faces == 2 * 7 and prepared.max_abs_diff <= naive.TOLERANCE
     settings = prepared.models.settings
     assert not settings.dynamic_input and settings.decode_min_side == 0
-    assert prepared.models.embedder_file == target and prepared.models.detector_file == plain.PLAIN_DETECTOR
+    assert prepared.models.embedder_file == target and prepared.models.detector_file == naive.PLAIN_DETECTOR
     # plain feeds the original float NCHW detector on ONNX Runtime; it is the served (uint8) network
     assert settings.detector.input_layout == "nchw_float"
     assert models.settings.detector.input_layout == "nhwc_uint8"
     assert prepared.models.runtime == "onnxruntime f32" and models.runtime.startswith("openvino")
-    assert prepared.detector_max_abs_diff <= plain.DETECTOR_TOLERANCE
-    assert not plain.prepare(models, faces, target).built  # reused
+    assert prepared.detector_max_abs_diff <= naive.DETECTOR_TOLERANCE
+    assert not naive.prepare(models, faces, target).built  # reused
     assert "PRelu nodes" in prepared.describe() and "float NCHW" in prepared.describe()
     with pytest.raises(RuntimeError, match="not the served network"):  # another detector is refused
-        plain.prepare(models, faces, target, detector_file=_other_detector(tmp_path))
+        naive.prepare(models, faces, target, detector_file=_other_detector(tmp_path))
 
 
 def _other_detector(tmp_path: Path) -> Path:
@@ -130,7 +130,7 @@ def _other_detector(tmp_path: Path) -> Path:
     import onnx
     from onnx import numpy_helper
 
-    model = onnx.load(str(plain.PLAIN_DETECTOR))
+    model = onnx.load(str(naive.PLAIN_DETECTOR))
     first = next(node for node in model.graph.node if node.op_type == "Conv")
     weights = next(init for init in model.graph.initializer if init.name == first.input[1])
     weights.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weights) * 1.5, weights.name))
@@ -145,7 +145,7 @@ def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path
     what they say and find the same faces (that their decisions agree is tests/test_work_reduction.py's)."""
     models = served_models(cpu_repository)
     data = {name: photos[name].read_bytes() for name in ("obama.jpg", "obama2.jpg", "t1.jpg")}
-    plain_models = plain.prepare(models, data, tmp_path / "sface.prelu.onnx").models
+    plain_models = naive.prepare(models, data, tmp_path / "sface.prelu.onnx").models
     log_file = tmp_path / "naive.log"
     with ExitStack() as stack:
         servers = [stack.enter_context(naive.naive_server(naive.variant_models(models, plain_models, v), 1, v,
