@@ -1,23 +1,18 @@
-"""The serving comparison on this machine; writes ``docs/benchmarks/`` (Markdown tables, PNG plots, JSON).
+"""The serving comparison on this machine; writes ``docs/benchmarks/`` (Markdown tables and JSON).
 
     python -m bench                     # the full run: ~25-30 minutes, 10 of them the memory run
     python -m bench --quick             # ~3 minutes: shorter runs, a 30 s memory run, a small gallery
     python -m bench --seconds 20 --memory-minutes 30 --full-gallery
 
-Its parts, in this order (``--skip`` leaves some out):
+Its parts, in this order (``--skip`` leaves some out): the in-process ceiling, alone (``bench/ceiling.py``);
+the naive baselines (``bench/naive.py``) and our stack (``bench/stack.py``) alternating at every
+concurrency; on the stack, latency at concurrency 1 paired (``bench/latency.py``), hold (the sweep's best
+concurrency against 16), enroll (``bench/enroll.py``) and memory; alone again, the ceiling's second pass
+and the gallery (``bench/gallery.py``, its quick sizes unless ``--full-gallery``).
 
-- ceiling (``bench/ceiling.py``), alone: the served networks in-process, and on ONNX Runtime f32;
-- naive + stack: the naive baselines (``bench/naive.py``) and our stack (``bench/stack.py``: REST
-  identify and gRPC face_pipeline), alternating at every concurrency;
-- on the stack: latency at concurrency 1, paired (``bench/latency.py``); hold (the sweep's best
-  concurrency against 16, alternating); enroll (``bench/enroll.py``); memory (REST identify at 16 for
-  ``--memory-minutes``);
-- alone again: the ceiling's second pass (each row keeps the better of its two), the gallery
-  (``bench/gallery.py``; its quick sizes unless ``--full-gallery``).
-
-The targets, ratios and tables go to ``<out>/README.md`` (between marker comments), with the plots; the
-raw numbers to ``<out>/runs/results.json``; the gallery and enrollment sections to ``<out>/gallery.md``.
-A part that fails is reported with its error; the others still run (exit code 1).
+The targets, ratios and tables go to ``<out>/README.md``, the raw numbers to
+``<out>/runs/results.json``, the gallery and enrollment sections to ``<out>/gallery.md``. A part that
+fails is reported with its error; the others still run (exit code 1).
 """
 
 from __future__ import annotations
@@ -32,10 +27,12 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-from bench import ceiling, latency, naive, plain, report, stack
+from bench import ceiling, latency, naive, report, stack
 from bench.core.inputs import PHOTOS, REPOSITORY, ROOT, ServedModels, load_photos, served_models
-from bench.core.reporting import machine_description, read_section
+from bench.core.reporting import cli, log_progress, machine_description, read_section
 from bench.results import HIGH_CONCURRENCY, Results, peak
 from bench.stack import Stack
 from facecore.client import PipelineClient
@@ -53,8 +50,6 @@ class Plan:
     memory_minutes: float
     concurrency: tuple[int, ...]
     photos: tuple[str, ...]
-    naive_threads: tuple[int, ...]
-    naive_variants: tuple[str, ...]
     ceiling: ceiling.CeilingOptions
     enroll_images: int
     enroll_repeats: int
@@ -80,14 +75,12 @@ def plan(args: argparse.Namespace) -> Plan:
         seconds=seconds,
         memory_minutes=args.memory_minutes if args.memory_minutes is not None else (0.5 if quick else 10.0),
         concurrency=tuple(args.concurrency), photos=tuple(args.photos),
-        naive_threads=tuple(args.naive_threads), naive_variants=tuple(dict.fromkeys(args.naive_variants)),
         ceiling=ceiling.CeilingOptions(
             seconds=seconds, repeats=2 if quick else 5, split_repeats=5 if quick else 15,
             embedder_batches=(1, 4, 16) if quick else ceiling.EMBEDDER_BATCHES,
-            threads=tuple(sorted({t for _, t in layouts})), layouts=layouts,
-            fixed=not (args.no_fixed or quick)),
+            threads=tuple(sorted({t for _, t in layouts})), layouts=layouts),
         enroll_images=args.enroll_images or (24 if quick else 100),
-        enroll_repeats=args.enroll_repeats or (1 if quick else 3),
+        enroll_repeats=1 if quick else 3,
         latency_rounds=args.latency_rounds or (30 if quick else latency.ROUNDS),
         gallery_args=gallery_args, skip=frozenset(args.skip))
 
@@ -128,11 +121,8 @@ def run_part(results: Results, name: str, skip: frozenset[str], work: Callable[[
         results.seconds[name] = time.perf_counter() - began
 
 
-# --- the parts ------------------------------------------------------------------------------------------
-
-
 def in_process(r: Run) -> None:
-    r.results.ceiling = ceiling.run(r.models, r.photos, r.plan.ceiling, r.plain)
+    r.results.ceiling = ceiling.run(r.models, r.photos, r.plan.ceiling)
 
 
 def second_pass(r: Run) -> None:
@@ -141,17 +131,14 @@ def second_pass(r: Run) -> None:
 
 
 def loads(r: Run) -> None:
-    """Naive, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers not under
-    load sit idle (measured: ~1 % of a core for the gateway's change-log follower, ~0 for the others), and a
-    slow drift of a shared machine hits all three alike instead of skewing their ratios."""
+    """The naive apps, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers
+    not under load sit idle, and a slow drift of a shared machine hits all alike instead of skewing their
+    ratios."""
     p, results, running = r.plan, r.results, r.stack if "stack" not in r.plan.skip else None
-    rows = {naive.SERVED: results.naive, naive.SERVED_ORT: results.naive_onnxruntime,
-            naive.PLAIN: results.naive_plain}
+    rows = {naive.SERVED: results.naive, naive.PLAIN: results.naive_plain}
     client = PipelineClient(running.triton_grpc, timeout_s=300) if running else None
     try:
         for name, data in r.photos.items():
-            if running:
-                log.info("REST identify %s: %s", name, stack.decisions(running, name, data))
             for c in p.concurrency:
                 for server in r.naive_servers:
                     rows[server.variant].append(naive.measure_once(server, name, data, c, p.seconds))
@@ -180,16 +167,21 @@ def hold(r: Run) -> None:
                                                    r.plan.seconds / 2))
 
 
+def _own_section(r: Run, part: ModuleType, argv: list[str], render: Callable[[Any], str], shown: str) -> str:
+    """Run a benchmark that writes its own section into ``<out>/gallery.md``; its command (as ``shown``)
+    and table for this report."""
+    data = r.scratch / "rows.json"
+    if part.main([*argv, "--out", str(r.out / "gallery.md"), "--json", str(data)]) != 0:
+        raise RuntimeError(f"{part.__name__} failed")
+    return f"Command: `python -m {part.__name__} {shown}`\n\n{render(json.loads(data.read_text())['rows'])}"
+
+
 def enroll(r: Run) -> None:
     from bench import enroll as part
 
-    data = r.scratch / "enroll.json"
-    argv = ["--url", r.running.triton_grpc, "--images", str(r.plan.enroll_images), "--repeats",
-            str(r.plan.enroll_repeats)]
-    if part.main([*argv, "--out", str(r.out / "gallery.md"), "--json", str(data)]) != 0:
-        raise RuntimeError("bench.enroll failed")
-    command = f"python -m bench.enroll {' '.join(argv[2:])} --url <this run's Triton>"
-    r.results.enroll = f"Command: `{command}`\n\n{part.table(json.loads(data.read_text())['rows'])}"
+    argv = ["--images", str(r.plan.enroll_images), "--repeats", str(r.plan.enroll_repeats)]
+    r.results.enroll = _own_section(r, part, [*argv, "--url", r.running.triton_grpc], part.table,
+                                    " ".join([*argv, "--url", "<this run's Triton>"]))
 
 
 def memory(r: Run) -> None:
@@ -202,11 +194,9 @@ def gallery(r: Run) -> None:
     from bench import gallery as part
     from bench.gallery_engines import Row
 
-    data, args = r.scratch / "gallery.json", r.plan.gallery_args
-    if part.main([*args, "--out", str(r.out / "gallery.md"), "--json", str(data)]) != 0:
-        raise RuntimeError("bench.gallery failed")
-    rows = [Row(**row) for row in json.loads(data.read_text())["rows"]]
-    r.results.gallery = f"Command: `python -m bench.gallery {' '.join(args)}`\n\n{part.result_table(rows)}"
+    args = list(r.plan.gallery_args)
+    r.results.gallery = _own_section(r, part, args, lambda rows: part.result_table([Row(**x) for x in rows]),
+                                     " ".join(args))
 
 
 #: The parts by the servers they need, in the order they run. The ceiling runs alone (it uses every core
@@ -219,13 +209,12 @@ ALONE_AGAIN: dict[str, Part] = {"ceiling, second pass": second_pass, "gallery": 
 
 
 def _plain(r: Run) -> None:
-    """The plain variant's models (built or reused, checked against the served ones) when the ceiling or
-    the plain naive baseline needs them; the error is reported when they cannot be had."""
-    p = r.plan
-    if "ceiling" in p.skip and ("naive" in p.skip or naive.PLAIN not in p.naive_variants):
+    """The plain variant's models (built or reused, checked against the served ones) when the plain naive
+    baseline needs them; the error is reported when they cannot be had."""
+    if "naive" in r.plan.skip:
         return
     try:
-        prepared = plain.prepare(r.models, r.photos)
+        prepared = naive.prepare(r.models, r.photos)
     except Exception as exc:  # the served baseline and the stack are still measured
         log.exception("the plain variant's models are not usable")
         r.results.errors["naive plain"] = f"plain models: {type(exc).__name__}: {exc}"
@@ -244,28 +233,23 @@ def _start(r: Run, servers: ExitStack, naive_apps: ExitStack, repository: Path) 
             log.exception("the stack did not start")
             why = f"the stack did not start: {type(exc).__name__}: {exc}"
             r.results.errors |= dict.fromkeys(needing, why)
-    for variant in r.plan.naive_variants if "naive" not in r.plan.skip else ():
+    for variant in naive.VARIANTS if "naive" not in r.plan.skip else ():
         models = naive.variant_models(r.models, r.plain, variant)
         if models is None:  # the plain models failed: reported already
             continue
         try:
-            for threads in r.plan.naive_threads:
-                r.naive_servers.append(naive_apps.enter_context(naive.naive_server(models, threads, variant)))
+            server = naive.naive_server(models, naive.THREADS, variant)
+            r.naive_servers.append(naive_apps.enter_context(server))
         except Exception as exc:  # reported; the stack is still measured
             log.exception("the naive %s app did not start", variant)
             r.results.errors[f"naive {variant}"] = f"the naive {variant} app did not start: {exc}"
-    for server in r.naive_servers:
-        first = r.plan.photos[0]
-        log.info("naive %s, %d thread(s), %s: %d face(s)", server.variant, server.threads, first,
-                 len(naive.embed(server, first, r.photos[first])))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> Results:
     p = plan(args)
     results = Results(" ".join(["python -m bench", *argv]).strip(), time.strftime("%Y-%m-%d %H:%M %Z"), "", {
         "seconds per point": p.seconds, "concurrency": list(p.concurrency), "photos": list(p.photos),
-        "memory minutes": p.memory_minutes, "naive variants": list(p.naive_variants),
-        "naive intra-op threads": list(p.naive_threads),
+        "memory minutes": p.memory_minutes,
         "ceiling layouts (processes x threads)": [f"{a}x{b}" for a, b in p.ceiling.layouts]})
     models = served_models(args.repository)
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
@@ -292,8 +276,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> Results:
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench", __doc__)
     parser.add_argument("--quick", action="store_true", help="~3 minutes: short runs, 30 s memory run")
     parser.add_argument("--seconds", type=float, help="each load measurement (default: 10; --quick: 2)")
     parser.add_argument("--memory-minutes", type=float,
@@ -304,17 +287,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(stack.CONCURRENCY))
     parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photos (the first one also for "
                         "naive and the memory run; default: obama.jpg t1.jpg)")
-    parser.add_argument("--naive-variants", nargs="+", default=list(naive.VARIANTS), choices=naive.VARIANTS,
-                        help="naive baselines (default: all three)")
-    parser.add_argument("--naive-threads", type=int, nargs="+", default=list(naive.THREADS),
-                        help="naive intra-op threads, for every variant (default: 1; 2 lost at every "
-                        "concurrency on 2 cores)")
     parser.add_argument("--layouts", nargs="+", default=["1x1", "1x2", "2x1"],
                         help="ceiling: processes x intra-op threads (default: 1x1 1x2 2x1)")
-    parser.add_argument("--no-fixed", action="store_true",
-                        help="ceiling: skip the fixed 640x640 input (--quick skips it too)")
     parser.add_argument("--enroll-images", type=int, help="bench.enroll images (default: 100; quick: 24)")
-    parser.add_argument("--enroll-repeats", type=int, help="bench.enroll rounds (default: 3; quick: 1)")
     parser.add_argument("--latency-rounds", type=int,
                         help=f"paired latency rounds per photo (default: {latency.ROUNDS}; quick: 30)")
     parser.add_argument("--gallery-sizes", type=int, nargs="+",
@@ -328,8 +303,7 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
     args = arguments().parse_args(raw)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    log_progress("httpx")
     began = time.perf_counter()
     results = run(args, raw)
     results.seconds["total"] = time.perf_counter() - began

@@ -1,12 +1,10 @@
-"""The in-process ceiling (``python -m bench``'s first part): what a perfect server could reach here.
+"""The in-process ceiling: what a perfect server could reach here.
 
-The two networks run in this process with the ONNX files, settings, runtime and precisions
-``face_pipeline`` serves (``export.served``), plus the work a perfect server still does (decode,
-letterbox, post-processing, alignment); no RPC, no queues. For each photo: batch sweeps of each network
-on 1 and 2 intra-op threads, a timer split of one image's steps (its total: the *single image*), and
-decode + ``run_pipeline`` end to end with the best batch sizes in each layout (processes x threads):
-the best is the *ceiling*. The same on ONNX Runtime f32 (*onnxruntime*), with the fixed 640x640
-detector input (*fixed*) and for the plain baseline's networks (*plain*, ``bench/plain.py``).
+The two networks run in this process with the files, settings, runtime and precisions ``face_pipeline``
+serves, plus the work a perfect server still does (decode, pre- and post-processing); no RPC, no queues.
+For each photo: batch sweeps of each network on 1 and 2 intra-op threads, a timer split of one image's
+steps (its total: the *single image*), and decode + ``run_pipeline`` end to end with the best batch sizes
+in each layout (processes x threads): the best is the *ceiling*. The same on ONNX Runtime f32.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -30,17 +27,8 @@ import facecore.pipeline as pipeline_module
 from bench.core.inputs import ServedModels, photo_label
 from facecore.contract import Faces
 from facecore.pipeline import NetworkInput, PipelineSettings, detector_input_size, network_input, run_pipeline
-from facecore.processing import (
-    FloatArray,
-    ImageArray,
-    align_faces,
-    decode_image,
-    letterbox,
-    original_size,
-)
-from facecore.runtimes import Runner, Runtime, RuntimeChoice, runner
-from facecore.runtimes import detector as runtime_detector
-from facecore.runtimes import embedder as runtime_embedder
+from facecore.processing import FloatArray, ImageArray, align_faces, decode_sized, letterbox
+from facecore.runtimes import Runner, Runtime, runner
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +42,17 @@ STAGES = ("decode", "letterbox+tensor", "detector", "postprocess+NMS", "align", 
 MODEL_STAGES = ("detector", "embedder")
 
 
-# --- decode the way face_pipeline does -------------------------------------------------------------
-
-
-def decode(data: bytes, settings: PipelineSettings) -> tuple[ImageArray, tuple[int, int] | None]:
-    """``face_pipeline``'s read_request: the decoded image and, for a reduced decode, the original size."""
-    image = decode_image(data, settings.max_pixels, settings.decode_min_side)
-    return image, (original_size(data, image) if settings.decode_min_side else None)
+def decode(data: bytes, settings: PipelineSettings) -> tuple[ImageArray, tuple[int, int]]:
+    """``face_pipeline``'s decode: the image and its original (width, height)."""
+    return decode_sized(data, settings.max_pixels, settings.decode_min_side)
 
 
 def process(payloads: Sequence[bytes], settings: PipelineSettings, detector: pipeline_module.Detector,
             embedder: pipeline_module.Embedder) -> list[Faces]:
     """What ``face_pipeline`` does for one execute of these images (decode + ``run_pipeline``)."""
     decoded = [decode(data, settings) for data in payloads]
-    sizes = [size for _, size in decoded]
-    originals = None if any(size is None for size in sizes) else [s for s in sizes if s is not None]
     return run_pipeline([image for image, _ in decoded], [settings.default_options] * len(decoded), settings,
-                        detector, embedder, originals)
-
-
-# --- sweeps ---------------------------------------------------------------------------------------------
+                        detector, embedder, [size for _, size in decoded])
 
 
 def median_seconds(call: Callable[[], object], repeats: int) -> float:
@@ -88,8 +67,7 @@ def median_seconds(call: Callable[[], object], repeats: int) -> float:
 
 
 def detector_input(data: bytes, settings: PipelineSettings) -> tuple[NetworkInput, tuple[int, int]]:
-    """The photo as the detector sees it (``network_input``: [1, 3, H, W] float, or [1, H, W, 3] uint8 for a
-    detector that normalizes inside its graph) and the input (width, height)."""
+    """The photo as the detector sees it (``network_input``) and the input (width, height)."""
     image, _ = decode(data, settings)
     spec = settings.detector
     size = detector_input_size((image.shape[1], image.shape[0]), settings, settings.min_face_size)
@@ -117,9 +95,6 @@ def best(per_item: dict[int, float]) -> int:
     return min(per_item, key=lambda b: (round(per_item[b], 3), b))
 
 
-# --- stage split ---------------------------------------------------------------------------------------
-
-
 class StageTimer:
     """Accumulates wall time per stage of one ``run_pipeline`` call by wrapping the functions it calls."""
 
@@ -137,8 +112,7 @@ class StageTimer:
                 self.ms[name] += 1000 * (time.perf_counter() - began)
         return timed
 
-    def _tensor_stage(self) -> str:
-        """to_tensor serves both networks: before the detector ran, it makes the detector's input."""
+    def _tensor_stage(self) -> str:  # to_tensor serves both networks: first the detector's input
         return "normalize" if self.detector_called else "letterbox+tensor"
 
     @contextmanager
@@ -186,7 +160,7 @@ def stage_split(models: ServedModels, settings: PipelineSettings, data: bytes, t
         with timer.installed():
             image, size = timer.wrap("decode", decode)(data, settings)
             run_pipeline([image], [settings.default_options], settings, timer.wrap("detector", detect),
-                         timer.wrap("embedder", embedder), None if size is None else [size])
+                         timer.wrap("embedder", embedder), [size])
         total = 1000 * (time.perf_counter() - began)
         timer.ms["other"] = total - sum(v for k, v in timer.ms.items() if k != "other")
         runs.append((total, timer.ms))
@@ -194,26 +168,20 @@ def stage_split(models: ServedModels, settings: PipelineSettings, data: bytes, t
                       {s: statistics.median(ms[s] for _, ms in runs) for s in STAGES})
 
 
-# --- end to end ----------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class WorkerJob:
     data: bytes
-    settings: PipelineSettings
-    detector_file: Path
-    embedder_file: Path
-    detector_runtime: RuntimeChoice  # with the job's thread count
-    embedder_runtime: RuntimeChoice
+    settings: PipelineSettings  # the served ones with the layout's batch sizes
+    models: ServedModels
+    threads: int
     images_per_call: int
     seconds: float
 
 
 def _worker(job: WorkerJob, barrier: Any, results: Any) -> None:
-    """One process of an end-to-end run: sessions, one warm-up call, wait for the others, then calls until
+    """One process of an end-to-end run: one warm-up call, wait for the others, then calls until
     ``job.seconds`` have passed."""
-    detector = runtime_detector(job.settings.detector, job.detector_file, job.detector_runtime)
-    embedder = runtime_embedder(job.settings.embedder, job.embedder_file, job.embedder_runtime)
+    detector, embedder = job.models.detector(job.threads), job.models.embedder(job.threads)
     payloads = [job.data] * job.images_per_call
     process(payloads, job.settings, detector, embedder)
     barrier.wait()
@@ -251,14 +219,10 @@ def run_layout(models: ServedModels, data: bytes, settings: PipelineSettings, la
     """``layout`` end to end with its batch sizes; it keeps the better of this run and what it holds."""
     job = WorkerJob(data, replace(settings, detector_max_batch=layout.detector_batch,
                                   embedder_max_batch=layout.embedder_batch),
-                    models.detector_file, models.embedder_file, models.detector_choice(layout.threads),
-                    models.embedder_choice(layout.threads), layout.images_per_call, seconds)
+                    models, layout.threads, layout.images_per_call, seconds)
     images_per_s, cpu_ms = end_to_end(job, layout.processes)
     if images_per_s > layout.images_per_s:
         layout.images_per_s, layout.cpu_ms_per_image = images_per_s, cpu_ms
-
-
-# --- one photo -------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -276,22 +240,18 @@ class Layout:
 class PhotoCeiling:
     photo: str
     label: str
-    sizing: str  # "dynamic" (face_pipeline's CPU profile) or "fixed 640x640"
+    sizing: str  # "dynamic" (face_pipeline's CPU profile) or "fixed"
     input_size: tuple[int, int]
     faces: int
     detector_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # threads -> batch -> ms/image
     embedder_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # threads -> batch -> ms/face
     splits: list[StageSplit] = field(default_factory=list)
     layouts: list[Layout] = field(default_factory=list)
-    #: "served" (what face_pipeline serves: settings, files, runtime and precisions), "onnxruntime" (the
-    #: same files and settings on ONNX Runtime f32), "fixed" (served, but a fixed 640x640 input) or "plain"
-    #: (ONNX Runtime, the original float detector at fixed 640x640, the PReLU embedder: the plain naive
-    #: baseline's work)
+    #: "served" (what face_pipeline serves: settings, files, runtime and precisions) or "onnxruntime" (the
+    #: same files and settings on ONNX Runtime f32); the recorded runs also hold "fixed" and "plain" rows
     variant: str = "served"
     runtime: str = "onnxruntime f32"  # ServedModels.runtime (results before OpenVINO: ONNX Runtime)
-    #: 2 when ``second_pass`` measured the split and the layouts again at the end of the run (each keeps
-    #: the better of the two passes)
-    passes: int = 1
+    passes: int = 1  # 2 once ``second_pass`` measured the split and the layouts again
 
     @property
     def single_image_ms(self) -> float:
@@ -319,15 +279,15 @@ class CeilingOptions:
     embedder_batches: Sequence[int] = EMBEDDER_BATCHES
     threads: Sequence[int] = THREADS
     layouts: Sequence[tuple[int, int]] = LAYOUTS
-    fixed: bool = True  # also the fixed 640x640 detector input
 
 
-def measure_photo(models: ServedModels, name: str, data: bytes, settings: PipelineSettings, sizing: str,
-                  options: CeilingOptions, embedder_ms: dict[int, dict[int, float]],
-                  layouts: Sequence[tuple[int, int]] | None = None, variant: str = "served") -> PhotoCeiling:
-    """Detector sweep, stage splits and end-to-end runs (``layouts``, default: the options') for one photo,
-    on the runtime of ``models``; ``embedder_ms`` is the embedder sweep (per thread count), which does not
-    depend on the photo."""
+def measure_photo(models: ServedModels, name: str, data: bytes, options: CeilingOptions,
+                  embedder_ms: dict[int, dict[int, float]], variant: str = "served") -> PhotoCeiling:
+    """Detector sweep, stage splits and end-to-end runs in every layout for one photo, on the runtime of
+    ``models``; ``embedder_ms`` is the embedder sweep (per thread count), which does not depend on the
+    photo."""
+    settings = models.settings
+    sizing = "dynamic" if settings.dynamic_input else "fixed"
     _, size = detector_input(data, settings)
     faces = len(face_crops(data, models, settings))
     result = PhotoCeiling(name, photo_label(name, data), sizing, size, faces, embedder_ms=embedder_ms,
@@ -339,7 +299,7 @@ def measure_photo(models: ServedModels, name: str, data: bytes, settings: Pipeli
         result.detector_ms[threads] = sweep(run, detector_input(data, settings)[0], options.detector_batches,
                                             options.repeats)
         result.splits.append(stage_split(models, settings, data, threads, options.split_repeats))
-    for processes, threads in options.layouts if layouts is None else layouts:
+    for processes, threads in options.layouts:
         if threads not in result.detector_ms:
             continue
         det = best(result.detector_ms[threads])
@@ -365,66 +325,30 @@ def _embedder_sweeps(models: ServedModels, crops: ImageArray, options: CeilingOp
     return sweeps
 
 
-def _winner(rows: Sequence[PhotoCeiling], name: str) -> list[tuple[int, int]]:
-    """The layout that won for this photo (as a one-layout list; empty when none was measured)."""
-    best_layout = next((r.best_layout for r in rows if r.photo == name), None)
-    return [(best_layout.processes, best_layout.threads)] if best_layout else []
-
-
-def _sizing(settings: PipelineSettings) -> str:
-    return "dynamic" if settings.dynamic_input else "fixed"
-
-
-def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
-        plain: ServedModels | None = None) -> list[PhotoCeiling]:
+def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions) -> list[PhotoCeiling]:
     """Every photo with what ``face_pipeline`` serves (``served``: its sizing, files, runtime and
     precisions), then the same files and settings on ONNX Runtime f32 (``onnxruntime``; skipped when the
-    repository serves ONNX Runtime already), each with every layout. When asked, the served runtime with the
-    fixed 640x640 input (``fixed``), only end to end in the layout that won with the served sizing. With
-    ``plain`` (``bench.plain.prepare(...).models``: ONNX Runtime, the original float detector, fixed
-    640x640, the PReLU embedder), also its sweeps and stage split, and end to end like the fixed input."""
-    settings = models.settings
-    crops = np.concatenate([face_crops(data, models, settings) for data in photos.values()])
-    embedder_ms = _embedder_sweeps(models, crops, options, "served")
-    served = [measure_photo(models, name, data, settings, _sizing(settings), options, embedder_ms)
-              for name, data in photos.items()]
-    out = list(served)
-    ort = models.on_runtime(Runtime.ONNXRUNTIME)
-    if ort != models:
-        ort_ms = _embedder_sweeps(ort, crops, options, "ONNX Runtime")
-        out += [measure_photo(ort, name, data, settings, _sizing(settings), options, ort_ms,
-                              variant="onnxruntime") for name, data in photos.items()]
-    width, height = settings.detector.input_size
-    if options.fixed and settings.dynamic_input:
-        fixed = replace(settings, dynamic_input=False)
-        out += [measure_photo(models, name, data, fixed, f"fixed {width}x{height}", options, embedder_ms,
-                              _winner(served, name), variant="fixed") for name, data in photos.items()]
-    if plain is None:
-        return out
-    plain_ms = _embedder_sweeps(plain, crops, options, "plain")
-    ort_rows = [r for r in out if r.variant == "onnxruntime"] or served
-    out += [measure_photo(plain, name, data, plain.settings, f"fixed {width}x{height}, PReLU embedder",
-                          options, plain_ms, _winner(ort_rows, name) if options.fixed else [],
-                          variant="plain") for name, data in photos.items()]
+    repository serves ONNX Runtime already), each with every layout."""
+    crops = np.concatenate([face_crops(data, models, models.settings) for data in photos.values()])
+    out = []
+    for variant, run_models in (("served", models), ("onnxruntime", models.on_runtime(Runtime.ONNXRUNTIME))):
+        if variant == "onnxruntime" and run_models == models:
+            continue
+        embedder_ms = _embedder_sweeps(run_models, crops, options, variant)
+        out += [measure_photo(run_models, name, data, options, embedder_ms, variant)
+                for name, data in photos.items()]
     return out
-
-
-#: The variants a second pass measures again: the two the targets compare (served and ONNX Runtime).
-SECOND_PASS = ("served", "onnxruntime")
 
 
 def second_pass(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
                 rows: Sequence[PhotoCeiling]) -> None:
-    """Measure the stage split and every layout of the served and ONNX Runtime rows again (``python -m
-    bench`` does it after the stack and the memory run) and keep, for each, the better of the two passes.
-
-    A ceiling is the best a server could reach, and noise only slows a measurement down; on a shared
-    machine whose speed drifts by 10-20 % from one minute to the next, one pass taken in a slow minute set
-    a ceiling the served stack then "beat". Both runtimes get the second pass, so their ratio stays fair.
-    The batch sweeps are not repeated: the layouts keep the batch sizes the first pass chose."""
+    """Measure the stage split and every layout of each row again and keep, for each, the better of the
+    two passes (the batch sizes the first pass chose). A ceiling is the best a server could reach, and
+    noise only slows a measurement down: on a machine whose speed drifts, one pass taken in a slow minute
+    set a ceiling the served stack then "beat"."""
     ort = models.on_runtime(Runtime.ONNXRUNTIME)
     for row in rows:
-        if row.variant not in SECOND_PASS or row.photo not in photos:
+        if row.photo not in photos:
             continue
         run_models = models if row.variant == "served" else ort
         settings = models.settings

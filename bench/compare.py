@@ -3,9 +3,9 @@
     python -m bench.compare --candidate previous detector_threads=2 solo_threads=0 pipeline.queue_delay_us=500
     python -m bench.compare --candidate 'one pipeline fewer' pipeline.instances=2 --photos obama.jpg t1.jpg
 
-``bench.tune`` measures one candidate after another, so a shared machine's drift (these 2-core machines
-change speed by 10-20 % from one minute to the next) falls between candidates. Here every candidate's
-tritonserver runs at the same time as the recorded default's (``current``), and the load alternates:
+``bench.tune`` measures one candidate after another, so a shared machine's drift falls between
+candidates. Here every candidate's tritonserver runs at the same time as the recorded default's
+(``current``), and the load alternates:
 
 - latency at concurrency 1: requests go to the servers in turn, one by one (p50 and p90 per server);
 - throughput at ``--concurrency``: windows of ``--seconds`` alternate between the servers for
@@ -20,24 +20,21 @@ face_pipeline option (``option.decode_min_side=0``). Nothing is recorded; ``--re
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import logging
-import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from bench.core.inputs import load_photos
-from bench.core.load import closed_loop
+from bench.core.load import closed_loop, in_turn
 from bench.core.processes import process_tree, resident_bytes
-from bench.core.reporting import machine_description, markdown_table
+from bench.core.reporting import cli, command_line, log_progress, machine_description, markdown_table
 from bench.core.triton import served_tuning
 from export.profiles import Batching, Profile, ProfileTuning
 from facecore.client import PipelineClient
@@ -109,7 +106,7 @@ def compare(candidates: dict[str, ProfileTuning], photos: dict[str, bytes], conc
         for round_index in range(rounds):
             order = list(clients) if round_index % 2 == 0 else list(clients)[::-1]
             for name in order:
-                windows[name].append(closed_loop(_sender(clients[name], payloads), concurrency,
+                windows[name].append(closed_loop(in_turn(clients[name].infer, payloads), concurrency,
                                                  seconds).throughput)
                 log.info("round %d %-12s %.1f images/s", round_index + 1, name, windows[name][-1])
         memory = {name: resident_bytes(process_tree(server.pid or 0)) / 2**20
@@ -118,11 +115,6 @@ def compare(candidates: dict[str, ProfileTuning], photos: dict[str, bytes], conc
             client.close()
     return [Result(name, statistics.median(latencies[name]), _percentile(latencies[name], 90),
                    statistics.median(windows[name]), windows[name], memory[name]) for name in candidates]
-
-
-def _sender(client: PipelineClient, payloads: list[bytes]) -> Callable[[], object]:
-    cycle = itertools.cycle(payloads)
-    return lambda: client.infer(next(cycle))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -140,8 +132,7 @@ def table(results: Sequence[Result], changes: dict[str, str], concurrency: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench.compare", __doc__)
     parser.add_argument("--candidate", nargs="+", action="append", default=[],
                         metavar=("NAME", "FIELD=VALUE"),
                         help="a name and its changes to the recorded tuning (repeatable)")
@@ -152,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single", type=int, default=150, help="lone requests per server")
     parser.add_argument("--report", type=Path, help="append the table to this Markdown file")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_progress()
     current = ProfileTuning.default(Profile.CPU)
     candidates, changes = {CURRENT: current}, {CURRENT: ""}
     for name, *assignments in args.candidate:
@@ -168,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as work:
         rows = compare(candidates, load_photos(args.photos), args.concurrency, args.seconds, args.rounds,
                        args.single, Path(work))
-    command = "python -m bench.compare " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = command_line("bench.compare", argv)
     text = (f"Command: `{command}` on {machine_description()}. Photos: {', '.join(args.photos)}; every "
             f"server up at once, the load alternating between them.\n\n"
             f"{table(rows, changes, args.concurrency)}\n")

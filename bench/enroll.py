@@ -1,19 +1,16 @@
 """Enrollment throughput: the batch importer against raw ``face_pipeline`` on the same images.
 
     python -m bench.enroll                       # 200 images, 8 in flight, starts the bundled Triton
-    python -m bench.enroll --images 60 --database-url postgresql+psycopg://postgres@127.0.0.1/bench
     python -m bench.enroll --url 127.0.0.1:8001  # a running Triton
 
 Distinct one-face JPEGs made from the four test portraits (a random crop, rescale, colour shift and JPEG
 quality). The raw run sends them through ``face_pipeline`` with as many requests in flight as the import,
-``recognition.importer.Importer``, into a fresh SQLite database (and with --database-url a fresh
-collection there, deleted afterwards). Import / raw is what the importer costs on top of inference
-(target: >= 0.9). Writes a Markdown section to --out; docs/benchmarks/gallery.md says how to read it.
+``recognition.importer.Importer``, into a fresh SQLite database. Import / raw is what the importer costs
+on top of inference (target: >= 0.9). docs/benchmarks/gallery.md says how to read the section.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -36,7 +33,6 @@ from numpy.typing import NDArray
 
 from bench.core import reporting
 from bench.core.inputs import ARTIFACTS, REPOSITORY, ROOT, photo_paths
-from bench.core.reporting import machine_description, write_section
 from bench.core.triton import triton_url
 from facecore.client import AsyncPipelineClient
 from facecore.spec import ModelSpec
@@ -49,9 +45,6 @@ SOURCES = ("obama.jpg", "obama2.jpg", "obama3.jpg", "biden.jpg")
 MIN_FACE = 90  # pixels: well above the quality gate's 40 after rescaling
 
 log = logging.getLogger(__name__)
-
-
-# --- images ----------------------------------------------------------------------------------------
 
 
 def variant(image: NDArray[np.uint8], box: Sequence[float], rng: np.random.Generator) -> bytes:
@@ -133,9 +126,6 @@ async def source_boxes(client: AsyncPipelineClient, photos: dict[str, Path]) -> 
     return boxes
 
 
-# --- runs ------------------------------------------------------------------------------------------
-
-
 class TimedStore(GalleryStore):
     """A store that adds up the wall time of ``add_faces`` (the importer's database writes)."""
 
@@ -175,7 +165,7 @@ async def raw_run(client: AsyncPipelineClient, payloads: Sequence[bytes], concur
 
 async def import_run(client: AsyncPipelineClient, spec: ModelSpec, url: str, items: list[ImportItem],
                      concurrency: int) -> Run:
-    """One import into a new collection of the database at ``url`` (deleted afterwards)."""
+    """One import into a new collection of the database at ``url``."""
     store = TimedStore(open_store(url).db)
     collection = f"bench-enroll-{uuid.uuid4().hex[:8]}"
     store.create_collection(collection, spec.name, spec.embedding_dim, spec.match_threshold)
@@ -193,11 +183,10 @@ async def import_run(client: AsyncPipelineClient, spec: ModelSpec, url: str, ite
                store.write_seconds, dict(statuses))
 
 
-async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int,
-                    database_urls: list[str | None], concurrency: int, per_identity: int,
-                    repeats: int) -> list[list[Run]]:
-    """Make and check the images (which also warms Triton up), then ``repeats`` rounds of every path.
-    A database URL of None means a new SQLite file next to the images for every round."""
+async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int, concurrency: int,
+                    per_identity: int, repeats: int) -> list[list[Run]]:
+    """Make and check the images (which also warms Triton up), then ``repeats`` rounds of both paths, the
+    import into a new SQLite file each round."""
     client = AsyncPipelineClient(url)
     try:
         spec = await client.embedder()
@@ -206,16 +195,16 @@ async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int,
         payloads = [path.read_bytes() for path in paths]
         items = [ImportItem(path, f"person-{i // per_identity:05d}", f"Person {i // per_identity}")
                  for i, path in enumerate(paths)]
-        targets: list[str | None] = ["raw", *database_urls]
+        targets = ("raw", "import")
 
-        async def one(target: str | None) -> Run:
+        async def one(target: str) -> Run:
             if target == "raw":
                 return await raw_run(client, payloads, concurrency)
             fresh = f"sqlite:///{folder / f'gallery-{uuid.uuid4().hex[:8]}.db'}"
-            return await import_run(client, spec, target or fresh, items, concurrency)
+            return await import_run(client, spec, fresh, items, concurrency)
 
         rounds = []
-        for round_ in range(repeats):  # each round starts with a different path: drift hits all alike
+        for round_ in range(repeats):  # each round starts with the other path: drift hits both alike
             order = [(round_ + j) % len(targets) for j in range(len(targets))]
             done = {j: await one(targets[j]) for j in order}
             runs = [done[j] for j in range(len(targets))]
@@ -225,9 +214,6 @@ async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int,
         return rounds
     finally:
         await client.close()
-
-
-# --- report ----------------------------------------------------------------------------------------
 
 
 def summary(rounds: list[list[Run]]) -> list[dict[str, Any]]:
@@ -262,28 +248,24 @@ def document(command: str, triton: str, concurrency: int, per_identity: int,
              rows: list[dict[str, Any]]) -> str:
     return "\n\n".join([
         "## Enrollment throughput: import vs raw pipeline (`bench/enroll.py`)",
-        f"Command: `{command}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \n"
-        f"Machine: {machine_description()}  \nTriton: {triton}; {concurrency} requests in flight; "
-        f"{per_identity} images per identity",
+        f"{reporting.run_header(command, reporting.machine_description())}  \nTriton: {triton}; "
+        f"{concurrency} requests in flight; {per_identity} images per identity",
         table(rows),
     ])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.enroll", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = reporting.cli("bench.enroll", __doc__)
     parser.add_argument("--images", type=int, default=200, help="distinct images to enroll (default: 200)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")
     parser.add_argument("--url", help="gRPC address of a running Triton (default: start the bundled one)")
     parser.add_argument("--repository", type=Path, default=REPOSITORY)
-    parser.add_argument("--database-url", help="also import into this database (e.g. PostgreSQL)")
     parser.add_argument("--per-identity", type=int, default=4, help="images per identity (default: 4)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported (default: 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    reporting.log_progress("alembic")
     photos = photo_paths()
     triton = (f"running server at {args.url}" if args.url else
               f"bundled tritonserver, repository {args.repository.relative_to(ROOT)}")
@@ -291,14 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-enroll-")))
         url = stack.enter_context(triton_url(args.url, args.repository,
                                              ARTIFACTS / "bench-enroll-tritonserver.log"))
-        databases: list[str | None] = [None, *([args.database_url] if args.database_url else [])]
-        rounds = asyncio.run(benchmark(url, photos, folder, args.images, databases, args.concurrency,
-                                       args.per_identity, args.repeats))
+        rounds = asyncio.run(benchmark(url, photos, folder, args.images, args.concurrency, args.per_identity,
+                                       args.repeats))
     rows = summary(rounds)
-    command = "python -m bench.enroll " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = document(command.strip(), triton, args.concurrency, args.per_identity, rows)
+    command = reporting.command_line("bench.enroll", argv)
+    text = document(command, triton, args.concurrency, args.per_identity, rows)
     print(text)
-    write_section(args.out, "bench.enroll", text)
+    reporting.write_section(args.out, "bench.enroll", text)
     if args.json:
         args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     return 0

@@ -5,28 +5,26 @@
     python -m bench.gallery --sizes 100000 --dims 128 --queries 500 --json gallery.json
 
 Synthetic faces: N/10 random identity centres, 10 faces each at cosine ~0.75 to one another (SFace's
-genuine pairs) and ~0 to other identities. Each index is built as ``FaceIndex.build`` builds it (a
-candidate tuned on the collection's own probes, or refused) and measured on held-out genuine and impostor
-probes (``bench/gallery_engines.py``); Milvus-lite (FLAT, the `milvus` extra) up to ``--milvus-max``
-faces. Writes a Markdown section to --out; docs/benchmarks/gallery.md says how to read it.
+genuine pairs) and ~0 to other identities. Each index is built as ``FaceIndex.build`` builds it and
+measured on held-out genuine and impostor probes (``bench/gallery_engines.py``); Milvus-lite (the
+`milvus` extra) up to ``--milvus-max`` faces. docs/benchmarks/gallery.md says how to read the section.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.core import reporting
 from bench.core.inputs import ROOT
-from bench.core.reporting import MIB, fmt, machine_description, table, write_section
+from bench.core.reporting import MIB, fmt, table
 from bench.gallery_engines import (
     CONCURRENCY,
     Row,
@@ -47,9 +45,6 @@ GENUINE = 0.75
 PROBE_SEED = 1  # FaceIndex tunes nprobe on genuine_probes(seed=0): measure on other queries
 
 log = logging.getLogger(__name__)
-
-
-# --- data ------------------------------------------------------------------------------------------
 
 
 def synthetic_faces(count: int, dimension: int, seed: int = 0) -> Vectors:
@@ -78,53 +73,21 @@ def probe_set(vectors: Vectors, count: int) -> tuple[Vectors, Any]:
     return probes, sources
 
 
-@dataclass(frozen=True)
-class DataStats:
-    """How face-like the synthetic set is: what a real gallery's score distributions look like."""
-
-    genuine_cos: float  # mean cosine of two faces of one identity
-    impostor_cos: float  # mean cosine of two faces of different identities
-    impostor_sd: float
-    probe_best_impostor: float  # mean over probes of the best different-identity score
-    probe_impostor_wins: float  # fraction of probes whose best impostor beats the source face
-
-
-def data_stats(vectors: Vectors, sources: Any, scores: Any, ids: Any) -> DataStats:
-    rng = np.random.default_rng(2)
-    pairs = min(2000, len(vectors) // PER_IDENTITY)
-    first = rng.choice(len(vectors) // PER_IDENTITY, size=pairs, replace=False) * PER_IDENTITY
-    genuine = (vectors[first] * vectors[first + 1]).sum(axis=1)
-    a, b = rng.integers(0, len(vectors), size=(2, 4000))
-    different = a // PER_IDENTITY != b // PER_IDENTITY
-    impostor = (vectors[a[different]] * vectors[b[different]]).sum(axis=1)
-    outsider = ids // PER_IDENTITY != (sources // PER_IDENTITY)[:, None]  # k=20 > 10 faces: >= 10 impostors
-    best = np.where(outsider, scores, -np.inf).max(axis=1)
-    return DataStats(float(genuine.mean()), float(impostor.mean()), float(impostor.std()),
-                     float(best.mean()), float((best > GENUINE).mean()))
-
-
-# --- one case ----------------------------------------------------------------------------------------
-
-
-def truth_for(vectors: Vectors, queries: int) -> tuple[Truth, Any]:
+def truth_for(vectors: Vectors, queries: int) -> Truth:
     """Held-out genuine probes (seed 1: the build tunes on seed 0) and impostors: faces of new people."""
     probes, sources = probe_set(vectors, queries)
     impostors = synthetic_faces(queries * PER_IDENTITY, vectors.shape[1], seed=99)[::PER_IDENTITY]
     ids = np.arange(len(vectors), dtype=np.int64)
-    genuine_exact = exact_search(probes, vectors, ids, 2 * K)
-    top = (genuine_exact[0][:, :K], genuine_exact[1][:, :K])
-    truth = Truth(probes, sources.astype(np.int64), np.ascontiguousarray(impostors), top,
-                  exact_search(impostors, vectors, ids, K), lambda faces: faces // PER_IDENTITY, THRESHOLD)
-    return truth, genuine_exact
+    return Truth(probes, sources.astype(np.int64), np.ascontiguousarray(impostors),
+                 exact_search(probes, vectors, ids, K), exact_search(impostors, vectors, ids, K),
+                 lambda faces: faces // PER_IDENTITY, THRESHOLD)
 
 
 def benchmark_case(size: int, dimension: int, queries: int = 200,
-                   candidates: tuple[str, ...] = ("pq4fs", "sq8"), milvus_max: int = 0
-                   ) -> tuple[DataStats, list[Row]]:
+                   candidates: tuple[str, ...] = ("pq4fs", "sq8"), milvus_max: int = 0) -> list[Row]:
     """Every index over one synthetic gallery; frees everything it allocated before returning."""
     vectors = synthetic_faces(size, dimension)
-    truth, (scores, wide) = truth_for(vectors, queries)
-    stats = data_stats(vectors, truth.sources, scores, wide)
+    truth = truth_for(vectors, queries)
     log.info("%d x %d: exact index", size, dimension)
     rows = [bench_exact(vectors, truth)]
     for kind in candidates:
@@ -138,10 +101,7 @@ def benchmark_case(size: int, dimension: int, queries: int = 200,
             log.info("%d x %d: milvus-lite", size, dimension)
             rows.append(bench_milvus(vectors, truth, THRESHOLD))
     del vectors
-    return stats, rows
-
-
-# --- report ----------------------------------------------------------------------------------------
+    return rows
 
 
 def _agreement(r: Row) -> str:
@@ -160,26 +120,19 @@ COLUMNS: tuple[tuple[str, Any], ...] = (
     ("agreement genuine / impostor", _agreement), ("true match@10", lambda r: fmt(r.true_match_at_10, 4)),
     ("MiB / 1M faces", lambda r: fmt(r.memory_bytes and r.memory_bytes / r.size * 1e6 / MIB, 0)),
     ("load s", lambda r: fmt(r.load_s, 2)))
-DATA = (("faces", "{0:,}"), ("dim", "{1}"), ("genuine cos (mean)", "{2.genuine_cos:.3f}"),
-        ("impostor cos (mean ± sd)", "{2.impostor_cos:+.3f} ± {2.impostor_sd:.3f}"),
-        ("probe: best impostor (mean)", "{2.probe_best_impostor:.3f}"),
-        ("probes whose best impostor beats the true match", "{2.probe_impostor_wins:.1%}"))
 
 
 def result_table(rows: list[Row]) -> str:
     return table(rows, COLUMNS)
 
 
-def document(command: str, rows: list[Row], stats: list[tuple[int, int, DataStats]], machine: str) -> str:
-    return "\n\n".join([
-        "## Gallery search: exact, approximate candidates and Milvus-lite (`bench/gallery.py`)",
-        f"Command: `{command}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \nMachine: {machine}",
-        result_table(rows), "Synthetic data (what the queries face):", table(stats, DATA)])
+def document(command: str, rows: list[Row], machine: str) -> str:
+    title = "## Gallery search: exact, approximate candidates and Milvus-lite (`bench/gallery.py`)"
+    return "\n\n".join([title, reporting.run_header(command, machine), result_table(rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gallery", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = reporting.cli("bench.gallery", __doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--queries", type=int, default=200,
@@ -195,26 +148,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "gallery.md")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader's messages about CPU variants
+    reporting.log_progress("faiss")  # its loader's messages about CPU variants
     sizes = [10_000, 100_000] if args.quick else args.sizes
     rows: list[Row] = []
-    stats: list[tuple[int, int, DataStats]] = []
     for size in sizes:
         for dimension in args.dims:
-            case_stats, case_rows = benchmark_case(size, dimension, args.queries, tuple(args.candidates),
-                                                   args.milvus_max)
-            stats.append((size, dimension, case_stats))
-            rows += case_rows
-            print(result_table(case_rows), flush=True)
-    command = "python -m bench.gallery " + " ".join(argv if argv is not None else sys.argv[1:])
-    machine = machine_description()
-    text = document(command.strip(), rows, stats, machine)
+            case = benchmark_case(size, dimension, args.queries, tuple(args.candidates), args.milvus_max)
+            rows += case
+            print(result_table(case), flush=True)
+    command, machine = reporting.command_line("bench.gallery", argv), reporting.machine_description()
+    text = document(command, rows, machine)
     print(text)
-    write_section(args.out, "bench.gallery", text)
+    reporting.write_section(args.out, "bench.gallery", text)
     if args.json:
-        results = {"command": command, "machine": machine, "rows": [asdict(r) for r in rows],
-                   "data": [{"size": n, "dimension": d, **asdict(s)} for n, d, s in stats]}
+        results = {"command": command, "machine": machine, "rows": [asdict(r) for r in rows]}
         args.json.write_text(json.dumps(results, indent=2))
     return 0
 

@@ -36,9 +36,6 @@ CONCURRENCY = (1, 8, 32)
 Search = Callable[[NDArray[np.float32], int], tuple[NDArray[Any], NDArray[Any]]]
 
 
-# --- memory ----------------------------------------------------------------------------------------
-
-
 def status_kib(key: str, pid: int | str = "self") -> int:
     match = re.search(rf"^{key}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
     return int(match.group(1)) if match else 0
@@ -54,24 +51,17 @@ def release_free_memory() -> None:
 
 @dataclass
 class MemoryProbe:
-    """Resident-set growth across a block, and its peak (VmHWM, reset through clear_refs)."""
+    """Resident-set growth across a block."""
 
     retained: int = 0
-    peak: int = 0
 
     @contextmanager
     def measure(self) -> Iterator[MemoryProbe]:
         release_free_memory()
         before = status_kib("VmRSS")
-        with suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         yield self
         release_free_memory()
         self.retained = (status_kib("VmRSS") - before) * 1024
-        self.peak = (status_kib("VmHWM") - before) * 1024
-
-
-# --- one index -------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -5,11 +5,10 @@
 
 TensorRT installs neither here nor on the lent GPU host, so the gpu profile's ONNX files run with PyTorch
 operations (``export.onnx_torch``) in float32 and float16: the same arithmetic on the same GPU, a floor
-for what a plan reaches. ``run`` needs neither Triton nor FAISS; its parts: *networks* (batch 1-256, op by
-op and as CUDA graphs), *precision* (``export.engine_check``'s plan check), *decode* (nvJPEG against
-``face_pipeline``'s decode on every core), *pipeline* (decode + ``run_pipeline`` in 1 and cores - 2
-processes) and *gallery* (exact float16 search over 1M and 10M random vectors). ``--device cpu`` runs the
-same code on tiny sizes (the tests).
+for what a plan reaches. ``run`` needs neither Triton nor FAISS. Its parts: *networks*, *precision*
+(``export.engine_check``'s plan check), *decode* (nvJPEG against every core), *pipeline* (decode +
+``run_pipeline`` in 1 and cores - 2 processes), *gallery* (exact float16 search). ``--device cpu`` runs
+the same code on tiny sizes (the tests).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ SETTINGS = "settings.json"
 DETECTOR_FILE = "detector.onnx"
 EMBEDDER_FILE = "embedder.onnx"
 PHOTOS = "photos"
-#: The photos of the pipeline part: one face, six faces.
 PIPELINE_PHOTOS = ("obama.jpg", "t1.jpg")
 K = 10
 #: Seconds a pipeline worker may take to start (imports, CUDA, the networks) before the run gives up.
@@ -119,11 +117,8 @@ def _torch() -> Any:
 
 
 def precisions(device: str) -> list[tuple[str, bool]]:
-    """(name, reduced) of the precisions measured: float32, and on a GPU float16. On a CPU (the tests) the
-    reduced precision is left out: there it is emulated on most CPUs, and this benchmark is for GPUs."""
-    if not device.startswith("cuda"):
-        return [("float32", False)]
-    return [("float32", False), ("float16", True)]
+    """(name, reduced): float16 only on a GPU (most CPUs emulate it; the tests run on a CPU)."""
+    return [("float32", False), ("float16", True)] if device.startswith("cuda") else [("float32", False)]
 
 
 def synchronize(device: str) -> None:

@@ -1,10 +1,8 @@
-"""Latency at concurrency 1, paired (``python -m bench``'s *latency* part): the ceiling's single image in
-this process, gRPC ``face_pipeline`` and REST ``identify``, one call of each in turn, round after round.
-
-Measured minutes apart, the ceiling's single image and the stack's p50 at concurrency 1 differ by the
-machine's drift as much as by the few milliseconds between them; in turn, a drift falls on all three
-alike. A short pause separates the calls: a runtime's worker threads spin for a moment after a call, and
-that moment must not fall on the next call, which belongs to another process.
+"""Latency at concurrency 1, paired: the ceiling's single image in this process, gRPC ``face_pipeline``
+and REST ``identify``, one call of each in turn, round after round, so that the machine's drift falls on
+all three alike (measured minutes apart, they differ by it as much as by the milliseconds between them).
+A short pause separates the calls: a runtime's threads spin for a moment after a call, and that moment
+must not fall on the next call, which belongs to another process.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class PairedLatency:
     def p50_ms(self, target: str) -> float:
         return {GRPC: self.grpc_ms, REST: self.rest_ms}[target]
 
-    def ratio(self, target: str) -> float:
-        """The target's ratio: the call's median over the ceiling's median, both from these rounds."""
+    def ratio(self, target: str) -> float:  # the target's: the medians' ratio
         return self.p50_ms(target) / self.ceiling_ms
 
     def paired(self, target: str) -> float:
@@ -52,8 +49,8 @@ class PairedLatency:
 
 def alternate(calls: Mapping[str, Callable[[], object]], rounds: int, pause_s: float = PAUSE_S,
               warmup: int = WARMUP) -> dict[str, list[float]]:
-    """Every call once per round, in the order given, ``pause_s`` before each; the milliseconds of each call
-    per round (``warmup`` rounds first, not kept)."""
+    """Every call once per round, in order, ``pause_s`` before each; each call's milliseconds per round
+    (``warmup`` rounds first, not kept)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, not {rounds}")
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -80,7 +77,7 @@ def summarize(photo: str, times: Mapping[str, list[float]], threads: int, pause_
 
 def measure(running: Stack, models: ServedModels, photos: Mapping[str, bytes], threads: Mapping[str, int],
             rounds: int = ROUNDS, pause_s: float = PAUSE_S) -> list[PairedLatency]:
-    """Each photo's paired rounds (``threads``: the ceiling's thread count per photo, default ``THREADS``)."""
+    """Each photo's paired rounds (``threads``: the ceiling's best thread count per photo)."""
     settings = models.settings
     out = []
     client = PipelineClient(running.triton_grpc, timeout_s=300)
@@ -88,14 +85,11 @@ def measure(running: Stack, models: ServedModels, photos: Mapping[str, bytes], t
         for photo, data in photos.items():
             count = threads.get(photo, THREADS)
             detector, embedder = models.detector(count), models.embedder(count)
-            sender = identify_sender(running, photo, data)
-            try:
+            with identify_sender(running, photo, data) as sender:
                 calls: dict[str, Callable[[], object]] = {
                     CEILING: partial(process, [data], settings, detector, embedder),
                     GRPC: partial(client.infer, data, max_faces=MAX_FACES), REST: sender}
                 out.append(summarize(photo, alternate(calls, rounds, pause_s), count, pause_s))
-            finally:
-                sender.close()
     finally:
         client.close()
     return out

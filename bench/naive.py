@@ -1,7 +1,10 @@
-"""The naive baselines for ``python -m bench``: ``bench/naive_app.py`` served by uvicorn in a subprocess,
-loaded with real multipart JPEG uploads in a closed loop (``measure_once``), in three variants: *served*
-(what ``face_pipeline`` serves: the same work as the stack), *served-onnxruntime* (the same on ONNX
-Runtime f32) and *plain* (the obvious deployment of the same networks, ``bench/plain.py``).
+"""The naive baselines: ``bench/naive_app.py`` served by uvicorn in a subprocess, loaded with multipart
+JPEG uploads in a closed loop (``measure_once``): *served* (the work ``face_pipeline`` does) and *plain*.
+
+``face_pipeline`` does less work than the obvious approach without changing its decisions; *plain* undoes
+all of it: ONNX Runtime f32, the original float NCHW detector, a fixed 640x640 letterbox, full-size
+decode, and SFace converted from the pinned int8 file without the PReLU rewrite
+(``export.sface.convert_plain_sface``). ``prepare`` proves both are the served networks.
 """
 
 from __future__ import annotations
@@ -10,29 +13,140 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
-from bench import plain as plain_part
 from bench.core.inputs import ARTIFACTS, ServedModels
 from bench.core.load import LoadRow, MultipartSender, run_load
 from bench.core.processes import Watched, free_port, start_server
 from bench.naive_app import runtime_text
-from facecore.runtimes import Runtime
+from export.sface import (
+    PLAIN_FILE,
+    SHIPPED_FILE,
+    TOLERANCE,
+    check_same_network,
+    convert_plain_sface,
+    prelu_nodes,
+)
+from facecore.pipeline import PipelineSettings, detect, network_input
+from facecore.processing import ImageArray, align_faces, decode_image, letterbox
+from facecore.runtimes import Runtime, RuntimeChoice, runner
+from facecore.spec import InputLayout
 from service.launcher import stop_process
 
 log = logging.getLogger(__name__)
 
-#: 1 intra-op thread per session: on the recorded 2-core run 2 threads lost at every concurrency.
-THREADS = (1,)
-SERVED, PLAIN = plain_part.SERVED, plain_part.PLAIN
-SERVED_ORT = "served-onnxruntime"
-VARIANTS = (SERVED, SERVED_ORT, PLAIN)
+#: Intra-op threads per session: on the recorded 2-core run, 2 lost at every concurrency.
+THREADS = 1
+SERVED, PLAIN = "served", "plain"
+VARIANTS = (SERVED, PLAIN)
+
+#: The plain variant's networks: SFace without the PReLU rewrite, the detector before the uint8 edit.
+SHIPPED_SFACE = ARTIFACTS / "onnx" / SHIPPED_FILE
+PLAIN_EMBEDDER = ARTIFACTS / "onnx" / PLAIN_FILE
+PLAIN_DETECTOR = ARTIFACTS / "onnx" / "retinaface_mnet025.fp32.bdyn.hwdyn.onnx"
+#: The uint8 edit moves the mean subtraction into the graph: float rounding only.
+DETECTOR_TOLERANCE = 1e-3
+ONNXRUNTIME = RuntimeChoice(Runtime.ONNXRUNTIME, "f32", 1)
+
+
+@dataclass(frozen=True)
+class PlainModels:
+    """The plain variant's models and the check that they are the served networks."""
+
+    models: ServedModels
+    prelu_nodes: int  # PRelu nodes in the plain embedder
+    served_prelu_nodes: int  # ... and in the served one (0 once rewritten)
+    faces: int  # aligned faces the two embedders were compared on
+    max_abs_diff: float
+    built: bool  # converted in this run (False: an existing file was reused)
+    detector_max_abs_diff: float = 0.0  # original vs served detector outputs, same letterboxed photos
+
+    def describe(self) -> str:
+        return (f"`{self.models.embedder_file.name}` ({self.prelu_nodes} PRelu nodes; the served embedder "
+                f"has {self.served_prelu_nodes}) gives the served embeddings within {self.max_abs_diff:.1e} "
+                f"(<= {TOLERANCE:g}) on {self.faces} aligned faces; `{self.models.detector_file.name}` "
+                f"(float NCHW) gives the served detector's outputs within {self.detector_max_abs_diff:.1e} "
+                f"(<= {DETECTOR_TOLERANCE:g})")
+
+
+def plain_settings(settings: PipelineSettings) -> PipelineSettings:
+    """The served settings without the work reductions."""
+    return replace(settings, dynamic_input=False, decode_min_side=0,
+                   detector=replace(settings.detector, input_layout=InputLayout.NCHW_FLOAT))
+
+
+def plain_models(models: ServedModels, embedder_file: Path = PLAIN_EMBEDDER,
+                 detector_file: Path = PLAIN_DETECTOR) -> ServedModels:
+    """What the plain variant runs (``prepare`` checks it)."""
+    size = "x".join(map(str, models.settings.detector.input_size))
+    return replace(models, settings=plain_settings(models.settings), detector_file=detector_file,
+                   embedder_file=embedder_file, detector_runtime=ONNXRUNTIME, embedder_runtime=ONNXRUNTIME,
+                   summary=f"plain: ONNX Runtime f32, fixed {size} detector input, {detector_file.name}, "
+                           f"{embedder_file.name}")
+
+
+def detector_difference(served: ServedModels, plain: ServedModels, photos: Mapping[str, bytes]) -> float:
+    """Largest |difference| between the plain and the served detector's outputs on ONNX Runtime, on
+    ``photos`` letterboxed to the fixed input, each fed its own way (float NCHW / uint8 NHWC)."""
+    spec, plain_spec = served.settings.detector, plain.settings.detector
+    run_served = runner(served.detector_file, spec.output_names, ONNXRUNTIME)
+    run_plain = runner(plain.detector_file, plain_spec.output_names, ONNXRUNTIME)
+    width, height = spec.input_size
+    fill = spec.mean[::-1] if spec.swap_rb else spec.mean
+    worst = 0.0
+    for data in photos.values():
+        canvas, _ = letterbox(decode_image(data, served.settings.max_pixels), width, height, fill)
+        pairs = zip(run_served(network_input(canvas[None], spec)),
+                    run_plain(network_input(canvas[None], plain_spec)), strict=True)
+        worst = max([worst, *(float(np.abs(a - b).max()) for a, b in pairs)])
+    return worst
+
+
+def aligned_faces(models: ServedModels, photos: Mapping[str, bytes]) -> ImageArray:
+    """Every face the served detector finds in ``photos``, aligned, plus each mirrored."""
+    settings = models.settings
+    detector = models.detector(1)
+    images = [decode_image(data, settings.max_pixels) for data in photos.values()]
+    found = detect(images, [settings.default_options] * len(images), settings, detector)
+    size = settings.embedder.input_size[0]
+    crops = np.concatenate([align_faces(image, faces.landmarks, size)
+                            for image, faces in zip(images, found, strict=True)])
+    return np.concatenate([crops, crops[:, :, ::-1]])
+
+
+def prepare(models: ServedModels, photos: Mapping[str, bytes], target: Path = PLAIN_EMBEDDER,
+            source: Path = SHIPPED_SFACE, detector_file: Path = PLAIN_DETECTOR) -> PlainModels:
+    """Build (or reuse) the plain embedder and check both plain networks against the served ones (the
+    embeddings of every face found and its mirror image, the detector's outputs); raises when one is not
+    the same network."""
+    if not detector_file.exists():
+        raise FileNotFoundError(f"no original detector at {detector_file}: run `python -m export defaults`")
+    built = convert_plain_sface(source, target)
+    count = prelu_nodes(target)
+    if count == 0:
+        raise RuntimeError(f"{target} has no PRelu node: not the plain SFace conversion")
+    crops = aligned_faces(models, photos)
+    try:
+        difference = check_same_network(models.embedder_file, target, crops, models.settings.embedder)
+    except ValueError as exc:
+        raise RuntimeError(f"the plain embedder is not the served network: {exc}") from exc
+    log.info("plain embedder %s: %d PRelu nodes, max |diff| %.2e vs the served one on %d faces",
+             target.name, count, difference, len(crops))
+    plain = plain_models(models, target, detector_file)
+    detector_diff = detector_difference(models, plain, photos)
+    if detector_diff > DETECTOR_TOLERANCE:
+        raise RuntimeError(f"the plain detector {detector_file.name} is not the served network: outputs "
+                           f"differ by {detector_diff:.2e} (> {DETECTOR_TOLERANCE:g})")
+    log.info("plain detector %s: max |diff| %.2e vs the served one", detector_file.name, detector_diff)
+    return PlainModels(plain, count, prelu_nodes(models.embedder_file), len(crops), difference, built,
+                       detector_diff)
 
 
 @dataclass(frozen=True)
@@ -41,7 +155,7 @@ class NaiveServer:
     pid: int
     threads: int
     variant: str = SERVED
-    health: dict[str, Any] | None = None  # GET /health at start-up: what the app really runs
+    health: dict[str, Any] | None = None  # GET /health at start-up: what the app runs
 
 
 def target_name(threads: int, variant: str = SERVED) -> str:
@@ -50,31 +164,15 @@ def target_name(threads: int, variant: str = SERVED) -> str:
 
 def variant_models(models: ServedModels, plain_models: ServedModels | None, variant: str
                    ) -> ServedModels | None:
-    """What a variant runs: the served models, them on ONNX Runtime, or the plain ones (None: not had)."""
-    if variant == PLAIN:
-        return plain_models
-    return models.on_runtime(Runtime.ONNXRUNTIME) if variant == SERVED_ORT else models
-
-
-def _check_health(health: dict[str, Any], variant: str, models: ServedModels) -> None:
-    """The app runs the variant it was asked for, on the runtimes asked for (plain: fixed input, the float
-    detector, an embedder with PRelu nodes)."""
-    if health.get("variant") != variant:
-        raise RuntimeError(f"naive app runs {health.get('variant')!r}, not {variant!r}")
-    asked = (runtime_text(models.detector_runtime), runtime_text(models.embedder_runtime))
-    if (health.get("detector_runtime"), health.get("embedder_runtime")) != asked:
-        raise RuntimeError(f"naive {variant} app runs other runtimes than {asked}: {health}")
-    if variant == PLAIN and (health.get("dynamic_input") or not health.get("embedder_prelu_nodes")
-                             or health.get("detector_input_layout") != "nchw_float"):
-        raise RuntimeError(f"naive plain app is not plain: {health}")
+    """What a variant runs: the served models or the plain ones (None: not had)."""
+    return plain_models if variant == PLAIN else models
 
 
 @contextmanager
 def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
                  log_file: Path = ARTIFACTS / "bench-naive.log") -> Iterator[NaiveServer]:
     """uvicorn serving ``bench.naive_app:app`` on a free port (one worker process). ``models``: what the
-    variant runs (``variant_models``: the served models, them on ONNX Runtime, ``plain.prepare(...).models``
-    for ``plain``)."""
+    variant runs (``variant_models``)."""
     port = free_port()
     env = {**os.environ, "NAIVE_SETTINGS": json.dumps(models.settings.to_parameters()),
            "NAIVE_DETECTOR_ONNX": str(models.detector_file), "NAIVE_EMBEDDER_ONNX": str(models.embedder_file),
@@ -87,7 +185,6 @@ def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
     process = start_server(command, env, log_file, f"{url}/health")
     try:
         health: dict[str, Any] = httpx.get(f"{url}/health", timeout=30).json()
-        _check_health(health, variant, models)
         yield NaiveServer(url, process.pid, threads, variant, health)
     finally:
         stop_process(process)
@@ -95,12 +192,9 @@ def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
 
 def measure_once(server: NaiveServer, name: str, data: bytes, concurrency: int, seconds: float) -> LoadRow:
     """One closed-loop run of multipart uploads against ``POST /embed``."""
-    sender = MultipartSender(f"{server.url}/embed", "image", name, data)
-    try:
+    with MultipartSender(f"{server.url}/embed", "image", name, data) as sender:
         row = run_load(target_name(server.threads, server.variant), name, sender, concurrency, seconds,
                        [Watched("naive", server.pid, tree=False)])
-    finally:
-        sender.close()
     log.info("naive %s, %d thread(s), %s c=%d: %.1f images/s", server.variant, server.threads, name,
              concurrency, row.throughput)
     return row
@@ -108,11 +202,6 @@ def measure_once(server: NaiveServer, name: str, data: bytes, concurrency: int, 
 
 def embed(server: NaiveServer, name: str, data: bytes) -> list[dict[str, Any]]:
     """The faces (box, score, landmarks, embedding) the app returns for one upload."""
-    sender = MultipartSender(f"{server.url}/embed", "image", name, data)
-    try:
+    with MultipartSender(f"{server.url}/embed", "image", name, data) as sender:
         faces: list[dict[str, Any]] = json.loads(sender())["faces"]
-        return faces
-    finally:
-        sender.close()
-
-
+    return faces

@@ -3,12 +3,11 @@ own process, with ``facecore``'s code and no Triton, no batching across requests
 /embed`` (multipart field ``image``) is a plain ``def``: FastAPI runs it in its thread pool, each request
 calling its runtime with batch 1. The approach Triton exists to beat.
 
-Configured by the environment (``bench/naive.py`` sets it and runs the app with uvicorn):
-``NAIVE_SETTINGS`` (JSON of ``PipelineSettings.to_parameters()``), ``NAIVE_DETECTOR_ONNX`` /
-``NAIVE_EMBEDDER_ONNX``, ``NAIVE_VARIANT`` (``served``, ``served-onnxruntime`` or ``plain``: see
-``bench/naive.py``; plain refuses an embedder without PRelu nodes), ``NAIVE_DETECTOR_RUNTIME`` /
-``NAIVE_EMBEDDER_RUNTIME`` (``openvino:bf16``; default ``onnxruntime:f32``) and
-``NAIVE_INTRA_OP_THREADS`` (0: one per core).
+Configured by the environment (``bench/naive.py`` sets it): ``NAIVE_SETTINGS`` (JSON of
+``PipelineSettings.to_parameters()``), ``NAIVE_DETECTOR_ONNX`` / ``NAIVE_EMBEDDER_ONNX``,
+``NAIVE_VARIANT`` (``served`` or ``plain``; plain refuses an embedder without PRelu nodes),
+``NAIVE_DETECTOR_RUNTIME`` / ``NAIVE_EMBEDDER_RUNTIME`` (e.g. ``openvino:bf16``; default
+``onnxruntime:f32``) and ``NAIVE_INTRA_OP_THREADS`` (0: one per core).
 """
 
 from __future__ import annotations
@@ -35,15 +34,12 @@ class Models:
     settings: PipelineSettings
     detector: Detector
     embedder: Embedder
-    threads: int
     variant: str
-    embedder_file: str
     prelu_nodes: int  # in the embedder graph
-    detector_runtime: RuntimeChoice
-    embedder_runtime: RuntimeChoice
+    runtimes: tuple[RuntimeChoice, RuntimeChoice]  # the detector's, the embedder's
 
 
-VARIANTS = ("served", "served-onnxruntime", "plain")
+VARIANTS = ("served", "plain")
 
 
 def runtime_choice(text: str, threads: int) -> RuntimeChoice:
@@ -74,14 +70,15 @@ def load_models() -> Models:
     embedder_file = os.environ["NAIVE_EMBEDDER_ONNX"]
     prelu = prelu_nodes(Path(embedder_file))
     threads = int(os.environ.get("NAIVE_INTRA_OP_THREADS", "0"))
-    choices = tuple(runtime_choice(os.environ.get(f"NAIVE_{role}_RUNTIME", "onnxruntime:f32"), threads)
-                    for role in ("DETECTOR", "EMBEDDER"))
+    detector_runtime, embedder_runtime = (
+        runtime_choice(os.environ.get(f"NAIVE_{role}_RUNTIME", "onnxruntime:f32"), threads)
+        for role in ("DETECTOR", "EMBEDDER"))
     if variant == "plain":
         settings = replace(settings, dynamic_input=False, decode_min_side=0)
-        _check_plain(settings, prelu, choices)
-    return Models(settings, detector(settings.detector, os.environ["NAIVE_DETECTOR_ONNX"], choices[0]),
-                  embedder(settings.embedder, embedder_file, choices[1]), threads, variant,
-                  Path(embedder_file).name, prelu, *choices)
+        _check_plain(settings, prelu, (detector_runtime, embedder_runtime))
+    return Models(settings, detector(settings.detector, os.environ["NAIVE_DETECTOR_ONNX"], detector_runtime),
+                  embedder(settings.embedder, embedder_file, embedder_runtime), variant, prelu,
+                  (detector_runtime, embedder_runtime))
 
 
 @asynccontextmanager
@@ -95,17 +92,13 @@ app = FastAPI(title="naive face embedding baseline", lifespan=lifespan)
 
 @app.get("/health")
 def health(request: Request) -> dict[str, Any]:
+    """What the app runs (``bench/naive.py`` checks it is what it asked for)."""
     models: Models = request.app.state.models
-    settings = models.settings
-    return {"ok": True, "variant": models.variant, "intra_op_threads": models.threads,
-            "dynamic_input": settings.dynamic_input,
-            "detector_input_size": list(settings.detector.input_size),
-            "decode_min_side": settings.decode_min_side, "embedder_file": models.embedder_file,
+    return {"variant": models.variant, "dynamic_input": models.settings.dynamic_input,
             "embedder_prelu_nodes": models.prelu_nodes,
-            "detector_input_layout": settings.detector.input_layout.value,
-            "detector_runtime": runtime_text(models.detector_runtime),
-            "embedder_runtime": runtime_text(models.embedder_runtime),
-            "match_threshold": settings.embedder.match_threshold}
+            "detector_input_layout": models.settings.detector.input_layout.value,
+            "detector_runtime": runtime_text(models.runtimes[0]),
+            "embedder_runtime": runtime_text(models.runtimes[1])}
 
 
 @app.post("/embed")
@@ -120,13 +113,9 @@ def embed(request: Request, image: Annotated[UploadFile, File()]) -> dict[str, A
     except ImageError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
     sizes = [original_size(data, decoded)] if settings.decode_min_side else None
-    (result,) = run_pipeline([decoded], [settings.default_options], settings, models.detector,
-                             models.embedder, sizes)
-    found = result
-    return {
-        "width": result.width,
-        "height": result.height,
-        "faces": [{"box": found.boxes[i].tolist(), "score": float(found.scores[i]),
-                   "landmarks": found.landmarks[i].tolist(), "embedding": result.embeddings[i].tolist()}
-                  for i in range(len(found))],
-    }
+    (found,) = run_pipeline([decoded], [settings.default_options], settings, models.detector,
+                            models.embedder, sizes)
+    return {"width": found.width, "height": found.height,
+            "faces": [{"box": found.boxes[i].tolist(), "score": float(found.scores[i]),
+                       "landmarks": found.landmarks[i].tolist(), "embedding": found.embeddings[i].tolist()}
+                      for i in range(len(found))]}

@@ -1,6 +1,5 @@
-"""The serving report of ``python -m bench``: the targets and ratios, evaluated from the run's ``Results``
-(``bench/results.py``), and every part's figures, as Markdown tables between the markers of
-``<out>/README.md``; the plots beside it, the raw numbers in ``<out>/runs/results.json``.
+"""The serving report of ``python -m bench``: the targets and ratios, evaluated from the run's ``Results``,
+and every part's figures, as Markdown tables between the markers of ``<out>/README.md``.
 
     python -m bench.report --rerender docs/benchmarks   # the section again from its runs/results.json
 
@@ -10,15 +9,14 @@ asserted. What the tables mean is written once, in docs/benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.ceiling import STAGES, PhotoCeiling, best
-from bench.core.reporting import fmt, markdown_table, table, write_section
+from bench.ceiling import STAGES, best
+from bench.core.reporting import cli, fmt, markdown_table, table, write_section
 from bench.latency import PairedLatency
 from bench.results import (
     HIGH_CONCURRENCY,
@@ -36,12 +34,8 @@ from bench.results import (
 from bench.stack import GRPC, REST, MemoryRun
 
 SECTION = "bench"
-PLOTS = {"throughput": "throughput.png", "latency": "latency.png", "memory": "memory.png"}
-#: Where a run's raw numbers go in the report folder, beside the dated runs kept for the docs.
 RESULTS = Path("runs") / "results.json"
 
-
-# --- targets and ratios: records, evaluated by one function -----------------------------------------------
 
 #: A figure read from the results (None: not measured in this run).
 Quantity = Callable[[Results], float | None]
@@ -64,7 +58,6 @@ def amount(quantity: Quantity, unit: str) -> Measure:
 
 
 def _field(row: object | None, name: str) -> float | None:
-    """``row.name``, or None when there is no row."""
     return None if row is None else float(getattr(row, name))
 
 
@@ -77,8 +70,8 @@ def ceiling_rate(photo: str, variant: str = "served") -> Quantity:
 
 
 def outside_networks(concurrency: int) -> Quantity:
-    """face_pipeline's time outside the two networks per image, from Triton's statistics (gRPC, 1 face);
-    None in the in_process layout: the networks run inside face_pipeline, Triton cannot tell them apart."""
+    """face_pipeline's time outside the two networks per image in Triton's statistics (gRPC, 1 face); None
+    in the in_process layout, where Triton cannot tell the networks' time from face_pipeline's."""
     def get(results: Results) -> float | None:
         row = find(results.stack, GRPC, ONE_FACE, concurrency)
         return ((row.triton or {}) if row else {}).get("face_pipeline", {}).get("outside_models_ms_per_image")
@@ -90,8 +83,8 @@ def split_outside(results: Results) -> float | None:
 
 
 def p50_at_1(target: str, paired: bool) -> tuple[Quantity, Quantity]:
-    """p50 at concurrency 1 and the ceiling's single image: from the paired rounds (``bench/latency.py``,
-    both timed in turn) or from the closed loop and the ceiling part, minutes apart."""
+    """p50 at concurrency 1 and the ceiling's single image: from the paired rounds (``bench/latency.py``)
+    or from the closed loop and the ceiling part, minutes apart."""
     if paired:
         def rounds(r: Results) -> PairedLatency | None:
             return next((x for x in r.paired_latency if x.photo == ONE_FACE), None)
@@ -109,7 +102,7 @@ def latency(target: str) -> Measure:
 
 
 def holds(photo: str) -> Measure:
-    """REST identify at the high concurrency over its best: the median of the alternating rounds
+    """REST identify at the high concurrency over its best: the alternating rounds' median
     (``stack.hold_check``) when the run has them, else the sweep's two windows."""
     sweep = ratio(lambda r: _field(find(r.stack, REST, photo, HIGH_CONCURRENCY), "throughput"),
                   lambda r: _field(peak(r.stack, REST, photo), "throughput"), "images/s")
@@ -129,14 +122,12 @@ def tail(photo: str) -> Measure:
 
 
 def memory_drift(process: str) -> Quantity:
-    """The largest deviation of a process's PSS from its start over the memory run, in percent."""
     return lambda r: m.flatness(process)["max_deviation_pct"] if (m := r.memory) and m.rss_mib.get(process) \
         else None
 
 
 def triton_pss(results: Results) -> float | None:
-    """The largest Triton tree PSS at the high concurrency: the memory run's samples, the ends of the
-    load runs."""
+    """The largest Triton tree PSS at the high concurrency: the memory run's samples, the load runs' ends."""
     seen = [r.rss_mib["triton"] for r in results.stack
             if r.concurrency == HIGH_CONCURRENCY and "triton" in r.rss_mib]
     if (memory := results.memory) and memory.concurrency == HIGH_CONCURRENCY:
@@ -199,8 +190,7 @@ RATIOS: tuple[Target, ...] = tuple(target for p in PHOTOS for target in (
       for name in (REST, GRPC, *NAIVE)),
     *(Target(f"{name} / {naive}, concurrency {C}, {p}",
              ratio(throughput(name, p), throughput(naive, p), "images/s"))
-      for name in (REST, GRPC, "naive served", "naive served on ONNX Runtime") for naive in NAIVE
-      if naive != name and not (name in NAIVE and naive == "naive served")),
+      for name in (REST, GRPC, "naive served") for naive in NAIVE if naive != name),
     Target(f"REST identify / gRPC face_pipeline, concurrency {C}, {p} (the gateway's cost)",
            ratio(throughput(REST, p), throughput(GRPC, p), "images/s")),
 )) + tuple(Target(f"{t} p50 at concurrency 1 / the ceiling's single image, {ONE_FACE}, {how}",
@@ -209,7 +199,6 @@ RATIOS: tuple[Target, ...] = tuple(target for p in PHOTOS for target in (
 
 
 def judge(target: Target, results: Results) -> list[str]:
-    """The target's row: its name, the value as measured, its bound and whether it holds."""
     measured = target.measure(results)
     bound = "—" if target.bound is None else f"{'<=' if target.at_most else '>='} {target.bound:g}"
     if measured is None:
@@ -229,11 +218,7 @@ def evaluate(targets: Sequence[Target], results: Results) -> str:
     return markdown_table(["figure", "measured", "bound", "result"], rows)
 
 
-# --- the parts' tables --------------------------------------------------------------------------------
-
-
 def _by_thread(sweep: dict[int, dict[int, float]]) -> str:
-    """The best batch size and its ms per item, for each thread count."""
     return " / ".join(f"{t} thr: {best(v)}: {v[best(v)]:.1f}" for t, v in sweep.items()) or "—"
 
 
@@ -253,8 +238,6 @@ CEILING = (("photo", "{0.label}"), ("variant", "{0.variant}"), ("runtime", "{0.r
 SPLIT = (("photo", "{0.label}"), ("variant", "{0.variant}"), ("input", "{0.input_size[0]}x{0.input_size[1]}"),
          ("threads", "{1.threads}"), *((stage, f"{{1.stages_ms[{stage}]:.2f}}") for stage in STAGES),
          ("total ms", "{1.total_ms:.1f}"), ("outside the two networks ms", "{1.outside_models_ms:.2f}"))
-SWEEP = (("photo", "{0}"), ("variant", "{1}"), ("input", "{2}"), ("network", "{3}"), ("threads", "{4}"),
-         ("batch: ms", lambda x: ", ".join(f"{b}: {v:.1f}" for b, v in x[5].items())))
 LOAD = (("target", "{0.target}"), ("photo", "{0.photo}"), ("concurrency", "{0.concurrency}"),
         ("images/s", "{0.throughput:.1f}"), ("p50 ms", "{0.p50_ms:.0f}"), ("p90 ms", "{0.p90_ms:.0f}"),
         ("p99 ms", "{0.p99_ms:.0f}"), ("errors", "{0.errors}"),
@@ -294,19 +277,6 @@ def _joined(values: Sequence[float], spec: str) -> str:
     return " / ".join(format(v, spec) for v in values)
 
 
-def _sweeps(rows: Sequence[PhotoCeiling]) -> list[tuple[object, ...]]:
-    """The detector sweeps of each photo, variant and input size; the embedder's of each variant."""
-    out: list[tuple[object, ...]] = [
-        (r.label, r.variant, f"{r.input_size[0]}x{r.input_size[1]}", "detector, ms per image", t, v)
-        for r in rows for t, v in r.detector_ms.items()]
-    embedders: dict[str, dict[int, dict[int, float]]] = {}
-    for r in rows:  # the sweep of each embedder once (the fixed input's is the served one)
-        if r.embedder_ms not in embedders.values():
-            embedders[r.variant] = r.embedder_ms
-    return out + [("all faces of the photos", variant, "112x112", "embedder, ms per face", t, v)
-                  for variant, sweep in embedders.items() for t, v in sweep.items()]
-
-
 def _memory(memory: MemoryRun) -> list[str]:
     flat = [(name, memory.flatness(name)) for name in memory.rss_mib if memory.flatness(name)]
     ends = {"Triton's processes at the end (PSS MiB)": memory.breakdown_mib,
@@ -325,7 +295,7 @@ def header(results: Results) -> str:
     return markdown_table(["the run", ""], [[k, v] for k, v in rows.items()])
 
 
-def document(results: Results, written: Mapping[str, str]) -> str:
+def document(results: Results) -> str:
     """The report section: the targets and ratios, then every part's tables."""
     parts = ["## Serving: ceiling, naive baselines, our stack, memory (`python -m bench`)", header(results)]
     if results.errors:
@@ -333,15 +303,11 @@ def document(results: Results, written: Mapping[str, str]) -> str:
                                                                              results.errors.items()])]
     parts += ["### Targets (reported, not asserted)", evaluate(TARGETS, results),
               "### Ratios (both sides measured in this run)", evaluate(RATIOS, results)]
-    if "error" in written:
-        parts.append(f"*{written['error']}*")
-    parts += ["\n".join(f"![{name}]({file})" for name, file in written.items() if name in PLOTS)]
     if results.ceiling:
         splits = [(r, s) for r in results.ceiling for s in r.splits]
         parts += ["### Ceiling: in-process (`bench/ceiling.py`)", table(results.ceiling, CEILING),
-                  "Stage split, one image at a time (ms, medians):", table(splits, SPLIT),
-                  "Batch sweeps (ms per item at batch size):", table(_sweeps(results.ceiling), SWEEP)]
-    load = [*results.naive, *results.naive_onnxruntime, *results.naive_plain, *results.stack]
+                  "Stage split, one image at a time (ms, medians):", table(splits, SPLIT)]
+    load = [*results.naive, *results.naive_plain, *results.stack]
     if load:
         parts += ["### Naive baselines and our stack under load (`bench/naive.py`, `bench/stack.py`)",
                   table(load, LOAD)]
@@ -365,67 +331,16 @@ def document(results: Results, written: Mapping[str, str]) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
-# --- plots --------------------------------------------------------------------------------------------
-
-
-Panels = dict[str, dict[str, list[tuple[float, float]]]]  # panel title -> line label -> (x, y) points
-
-
-def plots(results: Results, out: Path) -> dict[str, str]:
-    """PNG plots into ``out``; returns {plot: file name}, or {"error": why} without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        return {"error": f"plots skipped: {exc} (install the `bench` extra: matplotlib)"}
-    throughput: Panels = {}  # per photo, a line per target
-    latency: Panels = {}  # per target, p50 and p99 on the 1-face photo
-    for r in sorted([*results.stack, *results.naive, *results.naive_plain], key=lambda r: r.concurrency):
-        throughput.setdefault(r.photo, {}).setdefault(r.target, []).append((r.concurrency, r.throughput))
-        for key in ("p50_ms", "p99_ms") if r.photo == ONE_FACE else ():
-            latency.setdefault(r.target, {}).setdefault(key, []).append((r.concurrency, getattr(r, key)))
-    for photo, panel in throughput.items():
-        if rate := ceiling_rate(photo)(results):
-            panel["in-process ceiling"] = [(1, rate), (HIGH_CONCURRENCY, rate)]
-    memory = results.memory
-    pss: Panels = {name: {"PSS MiB": list(zip([t / 60 for t in memory.times_s], values, strict=True))}
-                   for name, values in memory.rss_mib.items()} if memory else {}
-    written = {}
-    for name, panels, x, y in (("throughput", throughput, "concurrency", "images/s"),
-                               ("latency", latency, "concurrency", "ms"), ("memory", pss, "minutes", "MiB")):
-        if not panels:
-            continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.3), squeeze=False)
-        for ax, (title, panel) in zip(axes[0], panels.items(), strict=True):
-            for label, points in panel.items():
-                ax.plot(*zip(*points, strict=True), marker="o", label=label)
-            ax.set(xscale="log" if x == "concurrency" else "linear", xlabel=x, ylabel=y, title=title)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        out.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out / PLOTS[name], dpi=110)
-        plt.close(fig)
-        written[name] = PLOTS[name]
-    return written
-
-
-# --- files --------------------------------------------------------------------------------------------
-
-
 def write(results: Results, out: Path) -> Path:
-    """Plots, ``runs/results.json`` and this run's section of ``out/README.md``; returns the README path."""
+    """``runs/results.json`` and this run's section of ``out/README.md``; returns the README path."""
     (out / RESULTS).parent.mkdir(parents=True, exist_ok=True)
     (out / RESULTS).write_text(json.dumps(results.to_json(), indent=2, default=str))
-    return _section(out, document(results, plots(results, out)))
+    return _section(out, document(results))
 
 
 def rerender(out: Path) -> Path:
-    """The section again from ``out/runs/results.json`` and the plots already there (after a change to
-    this code: no benchmark runs)."""
-    results = Results.from_json(json.loads((out / RESULTS).read_text()))
-    return _section(out, document(results, {k: v for k, v in PLOTS.items() if (out / v).exists()}))
+    """The section again from ``out/runs/results.json`` (no benchmark runs)."""
+    return _section(out, document(Results.from_json(json.loads((out / RESULTS).read_text()))))
 
 
 def _section(out: Path, text: str) -> Path:
@@ -434,8 +349,7 @@ def _section(out: Path, text: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench.report", __doc__)
     parser.add_argument("--rerender", type=Path, required=True, metavar="FOLDER",
                         help="a report folder with runs/results.json (e.g. docs/benchmarks)")
     args = parser.parse_args(argv)

@@ -1,5 +1,4 @@
-"""What one ``python -m bench`` run measured (``Results``, to and from ``runs/results.json``) and the lookups
-its report reads the figures with."""
+"""What one ``python -m bench`` run measured (to and from ``runs/results.json``), and the report's lookups."""
 
 from __future__ import annotations
 
@@ -15,17 +14,13 @@ from bench.stack import HoldCheck, MemoryRun
 ONE_FACE, SIX_FACES = "obama.jpg", "t1.jpg"
 PHOTOS = (ONE_FACE, SIX_FACES)
 #: The concurrency the throughput targets are read at, and the high one the load targets look at.
-TARGET_CONCURRENCY, HIGH_CONCURRENCY = 8, 16
-C = TARGET_CONCURRENCY
-#: The naive baselines (bench/naive.py) as the report names them -> their rows in ``Results``.
-NAIVE = {"naive served": "naive", "naive served on ONNX Runtime": "naive_onnxruntime",
-         "naive plain": "naive_plain"}
+C, HIGH_CONCURRENCY = 8, 16
+#: The naive baselines as the report names them -> their rows in ``Results``.
+NAIVE = {"naive served": "naive", "naive plain": "naive_plain"}
 
 
 @dataclass
 class Results:
-    """Everything one ``python -m bench`` run measured (JSON-ready through ``to_json``)."""
-
     command: str
     date: str
     machine: str
@@ -33,9 +28,8 @@ class Results:
     served: str = ""  # the model repository's configuration (instances, batching, threads)
     ceiling: list[PhotoCeiling] = field(default_factory=list)
     naive: list[LoadRow] = field(default_factory=list)  # the naive app serving what face_pipeline serves
-    naive_plain: list[LoadRow] = field(default_factory=list)  # ... the plain way (bench/plain.py)
-    naive_onnxruntime: list[LoadRow] = field(default_factory=list)  # ... the served files on ONNX Runtime
-    plain_check: str = ""  # bench.plain: the plain networks are the served ones (PlainModels.describe)
+    naive_plain: list[LoadRow] = field(default_factory=list)  # ... the plain way
+    plain_check: str = ""  # PlainModels.describe: the plain networks are the served ones
     stack: list[LoadRow] = field(default_factory=list)
     paired_latency: list[PairedLatency] = field(default_factory=list)
     hold: list[HoldCheck] = field(default_factory=list)
@@ -56,7 +50,7 @@ class Results:
         """The inverse of ``to_json``; fields of parts since removed are read past."""
         values = {k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}
         values["ceiling"] = [_ceiling(c) for c in data["ceiling"]]
-        for name in ("naive", "naive_plain", "naive_onnxruntime", "stack"):
+        for name in ("naive", "naive_plain", "stack"):
             values[name] = [LoadRow(**row) for row in data.get(name, [])]
         values["paired_latency"] = [PairedLatency(**row) for row in data.get("paired_latency", [])]
         values["hold"] = [HoldCheck(**row) for row in data.get("hold", [])]
@@ -75,9 +69,6 @@ def _ceiling(data: Mapping[str, Any]) -> PhotoCeiling:
                            "embedder_ms": sweep(data["embedder_ms"]),
                            "splits": [StageSplit(**s) for s in data["splits"]],
                            "layouts": [Layout(**lay) for lay in data["layouts"]]})
-
-
-# --- lookups ------------------------------------------------------------------------------------------
 
 
 def find(rows: Sequence[LoadRow], target: str, photo: str, concurrency: int) -> LoadRow | None:

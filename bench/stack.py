@@ -1,14 +1,11 @@
-"""Our stack for ``python -m bench``: the bundled Triton (``model_repository/cpu``) and the REST gateway,
-started as ``make run`` starts them (a temporary SQLite gallery holding obama2.jpg), under closed-loop
-load: REST ``identify`` (a multipart JPEG) and the ``face_pipeline`` call the gateway makes, sent over
-gRPC directly (``measure_rest``, ``measure_grpc``); the sweep's best concurrency against a high one,
-alternating (``hold_check``); and the memory run (``memory_run``), the photo resized to 37 aspect ratios
-in turn, since what a runtime keeps per input shape must show, as it would with users' photos.
+"""Our stack for ``python -m bench``: the bundled Triton and the REST gateway, started as ``make run``
+starts them (a temporary SQLite gallery holding obama2.jpg), under closed-loop load: REST ``identify``
+and the ``face_pipeline`` call the gateway makes, sent directly (``measure_rest``, ``measure_grpc``); the
+sweep's best concurrency against a high one (``hold_check``); and the memory run (``memory_run``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -25,18 +22,10 @@ import cv2
 import httpx
 import numpy as np
 
+from bench.core import processes
 from bench.core.inputs import ARTIFACTS, REPOSITORY, load_photos
 from bench.core.load import LoadRow, MultipartSender, closed_loop, run_load
-from bench.core.processes import (
-    RssSampler,
-    Watched,
-    free_port,
-    process_label,
-    process_tree,
-    resident_bytes,
-    rss_bytes,
-    start_server,
-)
+from bench.core.processes import Watched
 from bench.core.reporting import MIB
 from bench.core.triton import bundled_triton
 from facecore.client import PipelineClient
@@ -55,7 +44,6 @@ MAX_FACES = 100  # what the gateway asks face_pipeline for (FACEREC_LIMITS__MAX_
 @dataclass
 class Stack:
     triton_grpc: str
-    triton_http: str
     triton_pid: int
     gateway_url: str
     gateway_pid: int
@@ -82,25 +70,17 @@ def setup_collection(url: str, admin_key: str, enroll: bytes) -> str:
         return str(created.json()["key"])
 
 
-#: Starts ``service`` (its ``__main__``) from the source tree given first on the command line.
-_BOOT = ("import runpy, sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); sys.argv[0] = 'service'; "
-         "runpy.run_module('service', run_name='__main__', alter_sys=True)")
-
-
-def start_gateway(triton: str, workdir: Path, log_file: Path, tree: Path | None = None
-                  ) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_gateway(triton: str, workdir: Path, log_file: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     """The gateway as ``make run`` starts it, on a free port, its SQLite gallery and snapshots in
-    ``workdir``; ``tree``: the gateway of another checkout (``bench.gateway --trees``). Returns the process,
-    its URL and its admin key."""
-    admin_key, port = secrets.token_urlsafe(24), free_port()
+    ``workdir``. Returns the process, its URL and its admin key."""
+    admin_key, port = secrets.token_urlsafe(24), processes.free_port()
     env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": admin_key,
            "FACEREC_DATABASE__URL": f"sqlite:///{workdir / 'gallery.db'}",
            "FACEREC_GALLERY__SNAPSHOT_DIR": str(workdir / "index"), "FACEREC_LOG_LEVEL": "WARNING"}
-    boot = ["-c", _BOOT, str(tree.resolve())] if tree else ["-m", "service"]
-    command = [sys.executable, *boot, "--triton-url", triton, "--host", "127.0.0.1", "--port", str(port),
-               "--admin-key-file", str(workdir / "admin_key")]
+    command = [sys.executable, "-m", "service", "--triton-url", triton, "--host", "127.0.0.1",
+               "--port", str(port), "--admin-key-file", str(workdir / "admin_key")]
     url = f"http://127.0.0.1:{port}"
-    return start_server(command, env, log_file, f"{url}/health/ready"), url, admin_key
+    return processes.start_server(command, env, log_file, f"{url}/health/ready"), url, admin_key
 
 
 @contextmanager
@@ -117,7 +97,7 @@ def running_stack(repository: Path = REPOSITORY, enroll: bytes | None = None,
         gateway, url, admin_key = start_gateway(server.grpc_url, Path(folder), log_dir / "bench-gateway.log")
         try:
             key = setup_collection(url, admin_key, enroll)
-            yield Stack(server.grpc_url, server.http_url, triton_pid, url, gateway.pid, key, server.version())
+            yield Stack(server.grpc_url, triton_pid, url, gateway.pid, key, server.version())
         finally:
             stop_process(gateway)
 
@@ -128,11 +108,8 @@ def identify_sender(stack: Stack, name: str, data: bytes) -> MultipartSender:
 
 def measure_rest(stack: Stack, name: str, data: bytes, concurrency: int, seconds: float) -> LoadRow:
     """One closed-loop run of multipart ``identify`` requests through the gateway."""
-    sender = identify_sender(stack, name, data)
-    try:
+    with identify_sender(stack, name, data) as sender:
         row = run_load(REST, name, sender, concurrency, seconds, stack.watched(), stack.triton_grpc)
-    finally:
-        sender.close()
     log.info("REST %s c=%d: %.1f images/s", name, concurrency, row.throughput)
     return row
 
@@ -148,19 +125,9 @@ def measure_grpc(stack: Stack, client: PipelineClient, name: str, data: bytes, c
     return row
 
 
-def decisions(stack: Stack, name: str, data: bytes) -> list[str]:
-    """What identify answers for this photo (a check that the enrolled identity is matched)."""
-    sender = identify_sender(stack, name, data)
-    try:
-        return [str(face["decision"]) for face in json.loads(sender())["faces"]]
-    finally:
-        sender.close()
-
-
 @dataclass
 class HoldCheck:
-    """REST identify at its best concurrency of the sweep and at a higher one, alternating for a few rounds
-    (``hold_check``): the higher one's share of the best, each pair measured back to back."""
+    """REST identify at the sweep's best concurrency and at a higher one, alternating (``hold_check``)."""
 
     photo: str
     best_concurrency: int
@@ -176,19 +143,17 @@ class HoldCheck:
 
     @property
     def share(self) -> float:
-        """The median over the rounds of the higher concurrency's throughput over the best one's."""
         return statistics.median(self.shares)
 
 
-#: hold_check's rounds: each the sweep's best concurrency, then the high one
 HOLD_ROUNDS = 3
 
 
 def hold_check(stack: Stack, name: str, data: bytes, best: int, high: int, seconds: float,
                rounds: int = HOLD_ROUNDS) -> HoldCheck:
     """The sweep measures each concurrency once, minutes apart, and its best is the largest of several noisy
-    windows: a higher concurrency compared with it loses to the machine's drift and to that pick as much as
-    to its own queues. Here the two alternate, ``rounds`` times, each window ``seconds`` long."""
+    windows: a higher concurrency compared with it loses to the drift and to that pick as much as to its
+    own queues. Here the two alternate, ``rounds`` times, each window ``seconds`` long."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, not {rounds}")
     check = HoldCheck(name, best, high, seconds, [], [])
@@ -201,27 +166,21 @@ def hold_check(stack: Stack, name: str, data: bytes, best: int, high: int, secon
     return check
 
 
-# --- memory -----------------------------------------------------------------------------------------
-
-
 @dataclass
 class MemoryRun:
     minutes: float
     concurrency: int
     interval_s: float
     times_s: list[float]
-    rss_mib: dict[str, list[float]]  # resident memory (PSS) per watched process (tree), one value per sample
+    rss_mib: dict[str, list[float]]  # PSS per watched process (tree), one value per sample
     load: LoadRow
     warmup_s: float = 0.0
     breakdown_mib: dict[str, float] = field(default_factory=dict)  # the Triton tree's processes at the end
-    #: summed RSS per watched tree at the end, for comparison (shared pages counted once per process)
-    summed_rss_mib: dict[str, float] = field(default_factory=dict)
-    #: how many sizes of the photo the requests sent in turn (1: the photo as it is)
-    shapes: int = 1
+    summed_rss_mib: dict[str, float] = field(default_factory=dict)  # per watched tree at the end
+    shapes: int = 1  # sizes of the photo the requests sent in turn
 
     def flatness(self, name: str) -> dict[str, float]:
-        """Start, end, min, max (MiB), the largest deviation from the start and the end's (percent), and the
-        least-squares slope (MiB per minute)."""
+        """Start, end, min, max (MiB), the largest and the end's deviation from the start (%), the slope."""
         values = np.asarray(self.rss_mib[name], dtype=np.float64)
         if values.size == 0:
             return {}
@@ -235,8 +194,8 @@ class MemoryRun:
                 "slope_mib_per_min": slope}
 
 
-#: The sizes ``shape_variants`` resizes a photo to: every detector input shape with the longer side at
-#: 640 (both orientations, the shorter side 64 to 640 in steps of 32).
+#: Every detector input shape with the longer side at 640 (the shorter 64 to 640, both orientations): what
+#: a runtime keeps per input shape must show in the memory run, as it would with users' photos.
 VARIANT_SIZES = tuple([(640, 32 * k) for k in range(2, 21)] + [(32 * k, 640) for k in range(2, 20)])
 
 
@@ -249,26 +208,21 @@ def shape_variants(data: bytes, sizes: Sequence[tuple[int, int]] = VARIANT_SIZES
                          [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes() for size in sizes]
 
 
-def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency: int = 16,
-               interval_s: float | None = None, shapes: bool = True) -> MemoryRun:
-    """REST identify at ``concurrency`` for ``minutes`` while sampling resident memory, after a warm-up at the
-    same load (10 % of the run, at most 30 s) that is not sampled: buffers for the batch shapes this load
-    produces are allocated then, not counted as growth. With ``shapes``, the requests send the photo's
-    ``shape_variants`` in turn (the warm-up sends each of them several times)."""
-    interval = interval_s or min(5.0, max(0.5, minutes * 60 / 120))
+def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency: int = 16) -> MemoryRun:
+    """REST identify of the photo's ``shape_variants`` in turn at ``concurrency`` for ``minutes``, sampling
+    resident memory, after a warm-up at the same load (10 % of the run, at most 30 s) that is not sampled:
+    buffers for the batch shapes this load produces are allocated then, not counted as growth."""
+    interval = min(5.0, max(0.5, minutes * 60 / 120))
     warmup = min(30.0, minutes * 6)
-    images = shape_variants(data) if shapes else [data]
-    sender = MultipartSender(stack.identify_url, "image", name, images, {"X-API-Key": stack.key})
-    try:
+    images = shape_variants(data)
+    with MultipartSender(stack.identify_url, "image", name, images, {"X-API-Key": stack.key}) as sender:
         closed_loop(sender, concurrency, warmup)
-        with RssSampler(stack.watched(), interval) as sampler:
+        with processes.RssSampler(stack.watched(), interval) as sampler:
             row = run_load(f"{REST} (memory run)", name, sender, concurrency, minutes * 60, stack.watched(),
                            stack.triton_grpc)
-    finally:
-        sender.close()
-    breakdown = {f"{process_label(pid)} [{pid}]": resident_bytes([pid]) / MIB
-                 for pid in process_tree(stack.triton_pid)}
-    summed_rss = {w.name: rss_bytes(w.pids()) / MIB for w in stack.watched()}
+    breakdown = {f"{processes.process_label(pid)} [{pid}]": processes.resident_bytes([pid]) / MIB
+                 for pid in processes.process_tree(stack.triton_pid)}
+    summed_rss = {w.name: processes.rss_bytes(w.pids()) / MIB for w in stack.watched()}
     return MemoryRun(minutes, concurrency, interval, [t for t, _ in sampler.samples],
                      {w.name: [s[w.name] / MIB for _, s in sampler.samples] for w in stack.watched()}, row,
                      warmup, breakdown, summed_rss, len(images))

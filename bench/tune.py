@@ -1,30 +1,24 @@
 """Sweep serving configurations, Model-Analyzer style, and keep the best one for a latency budget.
 
     python -m bench.tune --budget-ms 250 --seconds 8
-
-Each candidate is a full repository (written by ``export``) served by a fresh tritonserver and
-measured over gRPC with real photos: p50/p99 at concurrency 1, throughput at concurrency 8, and the
-peak resident memory (PSS) of Triton's tree at concurrency 16 (a candidate above ``--memory-mib``,
-default 1536, is not kept).
-The search is coordinate descent from the current default: one dimension at a time (the runtime,
-OpenVINO or ONNX Runtime; the layout, BLS or the two networks inside face_pipeline; the threads a lone
-request gets; instances x threads per network; pipeline instances; preferred batch sizes and queue
-delay; detector input size; decode path), keeping a change when throughput at concurrency 8 improves by
-more than the noise margin, or stays within it while Triton's tree needs clearly less memory
-(``MEMORY_GAIN``) or a lone request is answered clearly sooner (p50 at concurrency 1, ``LATENCY_GAIN``),
-as long as p99 at concurrency 8 stays within the budget. The winner is written to
-``export/tuning/cpu.json`` (the default from then on) and into ``model_repository/cpu``; ``--dry-run``
-measures and reports only (for a noisy machine), ``--dimensions`` sweeps only the named ones.
-
     python -m bench.tune --dry-run --dimensions runtime layout "detector instances x threads"
+
+Each candidate is a full repository (written by ``export``) served by a fresh tritonserver and measured
+over gRPC with real photos: p50 at concurrency 1, p99 and throughput at concurrency 8, the peak PSS of
+Triton's tree at concurrency 16. Coordinate descent from the current default, one dimension at a time
+(the runtime, the layout, a lone request's threads, instances x threads per network, pipeline instances,
+batching and queue delays, the detector input, the decode), keeps a change when throughput at
+concurrency 8 improves beyond the noise margin, or holds within it while Triton's tree needs clearly less
+memory or a lone request is answered clearly sooner, as long as p99 at concurrency 8 stays within
+``--budget-ms`` and the memory within ``--memory-mib``. The winner is written to
+``export/tuning/cpu.json`` (the default from then on) and ``model_repository/cpu``; ``--dry-run``
+measures and reports only.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import shlex
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -32,9 +26,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.core.inputs import ARTIFACTS, REPOSITORY, load_photos
-from bench.core.load import closed_loop
+from bench.core.load import closed_loop, in_turn
 from bench.core.processes import RssSampler, Watched
-from bench.core.reporting import machine_description, table
+from bench.core.reporting import cli, command_line, log_progress, machine_description, table
 from bench.core.triton import served_tuning
 from export.defaults import prepare_default_models
 from export.profiles import TUNING_DIR, Profile, ProfileTuning
@@ -135,12 +129,7 @@ def measure(tuning: ProfileTuning, name: str, payloads: list[bytes], seconds: fl
     with tempfile.TemporaryDirectory(dir=work) as folder, \
             served_tuning(tuning, Path(folder), work / "tune-tritonserver.log") as server:
         client = PipelineClient(server.grpc_url)
-        counter = {"i": 0}
-
-        def send() -> object:
-            counter["i"] += 1
-            return client.infer(payloads[counter["i"] % len(payloads)])
-
+        send = in_turn(client.infer, payloads)
         single = closed_loop(send, 1, seconds / 2)
         loaded = closed_loop(send, 8, seconds)
         with RssSampler([Watched("triton", server.pid or 0)], 0.5) as memory:
@@ -234,8 +223,7 @@ def report(best: Trial, trials: list[Trial], budget_ms: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench.tune", __doc__)
     parser.add_argument("--budget-ms", type=float, default=1000.0, help="p99 latency budget at concurrency 8")
     parser.add_argument("--seconds", type=float, default=8.0, help="measurement time per candidate")
     parser.add_argument("--margin", type=float, default=0.03, help="improvement needed to keep a change")
@@ -246,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dimensions", nargs="+", choices=list(DIMENSIONS), metavar="DIMENSION",
                         help=f"sweep only these, in this order (default: all: {', '.join(DIMENSIONS)})")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("service.launcher", "export"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    log_progress("service.launcher", "export")
     payloads = list(load_photos(("obama.jpg", "t1.jpg", "obama2.jpg", "biden.jpg")).values())
     work = ARTIFACTS / "tune"
     work.mkdir(parents=True, exist_ok=True)
@@ -256,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.margin, work, args.dimensions, memory_mib=args.memory_mib)
     text = report(best, trials, args.budget_ms)
     print(text)
-    command = shlex.join(["python", "-m", "bench.tune", *(argv if argv is not None else sys.argv[1:])])
+    command = command_line("bench.tune", argv)
     if args.report:
         args.report.write_text(f"# Serving configuration sweep\n\nCommand: `{command}` on "
                                f"{machine_description()}; docs/benchmarks/tuning.md says how to read it."

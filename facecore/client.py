@@ -6,7 +6,7 @@ The ``face_pipeline`` call, the one every recognition request makes, is sent on 
 request serialized and its response read here (``request_bytes``, ``faces_from_response``): tritonclient's
 ``InferInput`` / ``InferResult`` wrappers around the same protobuf messages cost the gateway more CPU per
 call, and protobuf's own serializer copies the photo where one join around it is enough
-(``python -m bench.gateway`` measures the clients side by side; docs/benchmarks/README.md).
+(measured side by side in docs/benchmarks/README.md).
 """
 
 from __future__ import annotations

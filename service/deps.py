@@ -7,7 +7,7 @@ takes (identify, detect, verify, enroll) ask for one plain dependency: ``Admitte
 solving them, and hand over the use cases, the settings and the in-flight limit, whose slot the route holds
 around its work (``with call.slot():``, 503 ``overloaded`` beyond the limit). Their operations list the two
 schemes in the OpenAPI document through ``KEY_SECURITY``. Eleven nodes became one on identify
-(``python -m bench.gateway`` measures the gateway's own CPU per identify).
+(the gateway's own CPU per identify: docs/benchmarks/README.md).
 """
 
 from __future__ import annotations

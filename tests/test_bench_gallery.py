@@ -33,10 +33,7 @@ def test_synthetic_faces_look_like_face_embeddings() -> None:
 
 
 def test_benchmark_case_reports_plausible_figures() -> None:
-    stats, (exact, pq, milvus) = benchmark_case(2_000, 32, queries=50, candidates=("pq4fs",),
-                                                milvus_max=2_000)
-    assert 0.7 < stats.genuine_cos < 0.8 and abs(stats.impostor_cos) < 0.05
-    assert stats.probe_best_impostor < 0.75 and 0.0 <= stats.probe_impostor_wins <= 1.0
+    exact, pq, milvus = benchmark_case(2_000, 32, queries=50, candidates=("pq4fs",), milvus_max=2_000)
 
     for row in (exact, milvus):  # both exact: recall and agreement 1 by definition
         assert row.recall_at_10 == 1.0 and row.genuine_agreement == row.impostor_agreement == 1.0
@@ -59,15 +56,15 @@ def test_benchmark_case_reports_plausible_figures() -> None:
     assert [c.strip() for c in header.strip("|").split("|")] == [name for name, _ in COLUMNS]
     assert len(rows) == 3 and all(row.count("|") == len(COLUMNS) + 1 for row in rows)
     assert "exact (Flat)" in rows[0] and "| 1.0000 (1.0000) | 100.00% / 100.00% | 1.0000 |" in rows[0]
-    text = document("python -m bench.gallery", [exact, pq], [(2_000, 32, stats)], "test machine")
-    assert "Synthetic data" in text and "Machine: test machine" in text
+    text = document("python -m bench.gallery", [exact, pq], "test machine")
+    assert "Command: `python -m bench.gallery`" in text and "Machine: test machine" in text
 
 
 def test_without_the_milvus_extra_its_rows_are_skipped_and_said_so(monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """`pip install -e '.[server,cpu,bench]'` has no milvus_lite: the benchmark runs without its rows."""
     monkeypatch.setitem(sys.modules, "milvus_lite", None)  # its import now fails
-    _, rows = benchmark_case(1_000, 16, queries=20, candidates=(), milvus_max=1_000)
+    rows = benchmark_case(1_000, 16, queries=20, candidates=(), milvus_max=1_000)
     assert [row.index for row in rows] == ["exact"]
     assert "Milvus-lite rows skipped: milvus_lite" in caplog.text and "`milvus` extra" in caplog.text
 

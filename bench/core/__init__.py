@@ -1,10 +1,3 @@
-"""The benchmarks' shared core; each benchmark (``bench/*.py``) measures, this package serves them all.
-
-- ``inputs``: paths, the photos, the models ``face_pipeline`` serves (read from its repository);
-- ``load``: closed-loop load (``closed_loop``) and one measured row with CPU accounting (``run_load``);
-- ``processes``: CPU time and resident memory of process trees from ``/proc``; child HTTP servers;
-- ``triton``: the bundled Triton through ``service.launcher``, and its statistics per model;
-- ``reporting``: Markdown tables, sections of shared report files, the machine description.
-
-A new benchmark imports from here and writes its section with ``reporting.write_section``.
-"""
+"""What every benchmark shares: ``inputs`` (paths, photos, the served models), ``load`` (closed-loop load),
+``processes`` (CPU and memory from ``/proc``, child servers), ``triton`` (the bundled Triton and its
+statistics) and ``reporting`` (Markdown tables and sections, the machine)."""

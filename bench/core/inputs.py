@@ -1,5 +1,5 @@
-"""What every benchmark measures with: the paths, the photos, and the models ``face_pipeline`` serves
-(its settings and ONNX files read from the model repository, so in-process runs do exactly the same)."""
+"""The paths, the photos, and the models ``face_pipeline`` serves, read from its model repository so that
+in-process runs do exactly what Triton does."""
 
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ from facecore.runtimes import Runtime, RuntimeChoice, detector, embedder
 ROOT = Path(__file__).resolve().parent.parent.parent
 ARTIFACTS = ROOT / "artifacts"
 REPOSITORY = ROOT / "model_repository" / "cpu"
-#: The photos every part measures: one face and six faces.
 PHOTOS = ("obama.jpg", "t1.jpg")
 
 
 def photo_paths() -> dict[str, Path]:
-    """Every test photo, fetched by pinned version and sha256 into ``artifacts/photos`` (once)."""
+    """Every test photo, fetched by pinned version and sha256 (once)."""
     return fetch_photos(ARTIFACTS / "downloads", ARTIFACTS / "photos")
 
 
@@ -37,34 +36,20 @@ def photo_label(name: str, data: bytes) -> str:
     return f"{name} ({width}x{height})"
 
 
-# --- the served models -----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ServedModels:
-    """What ``face_pipeline`` of a CPU repository runs: its settings, the two ONNX files and each network's
-    runtime and precision (``export.served``), so in-process runs do exactly what Triton does."""
+    """What ``face_pipeline`` of a CPU repository runs: settings, ONNX files, runtime and precision."""
 
     settings: PipelineSettings
     detector_file: Path
     embedder_file: Path
     detector_runtime: RuntimeChoice
     embedder_runtime: RuntimeChoice
-    repository: Path
     summary: str = ""  # instances, batching, runtime and threads of the three models, for the report
 
     @property
-    def detector_threads(self) -> int:
-        return self.detector_runtime.threads
-
-    @property
-    def embedder_threads(self) -> int:
-        return self.embedder_runtime.threads
-
-    @property
     def runtime(self) -> str:
-        """The runtimes and precisions, as the report names them (``openvino: detector f32, embedder
-        bf16``; ``onnxruntime f32``)."""
+        """As the report names it: ``openvino: detector f32, embedder bf16``, ``onnxruntime f32``."""
         d, e = self.detector_runtime, self.embedder_runtime
         if d.runtime is e.runtime is Runtime.ONNXRUNTIME:
             return "onnxruntime f32"
@@ -73,8 +58,7 @@ class ServedModels:
         return f"detector {d.runtime.value} {d.precision}, embedder {e.runtime.value} {e.precision}"
 
     def on_runtime(self, runtime: Runtime) -> ServedModels:
-        """The same files and settings on ``runtime``: the served choices when it is the served runtime,
-        else f32 (ONNX Runtime always runs f32)."""
+        """The same files and settings on ``runtime`` (f32 unless it is the served runtime)."""
         def choice(served: RuntimeChoice) -> RuntimeChoice:
             return served if served.runtime is runtime else replace(served, runtime=runtime, precision="f32")
 
@@ -82,7 +66,6 @@ class ServedModels:
                        embedder_runtime=choice(self.embedder_runtime))
 
     def detector(self, threads: int | None = None) -> Detector:
-        """The detector on its runtime (``threads``: instead of the served thread count)."""
         return detector(self.settings.detector, self.detector_file, self.detector_choice(threads))
 
     def embedder(self, threads: int | None = None) -> Embedder:
@@ -93,15 +76,13 @@ class ServedModels:
         return served if threads is None else replace(served, threads=threads, sub_batch=0)
 
     def embedder_choice(self, threads: int | None = None) -> RuntimeChoice:
-        """The served embedder's runtime; with ``threads``, on that many threads and taking each batch
-        whole (the ceiling's sweeps time the batch sizes themselves, and its runs use the best)."""
+        # each batch whole: the ceiling's sweeps time the batch sizes themselves, and its runs use the best
         served = self.embedder_runtime
         return served if threads is None else replace(served, threads=threads, sub_batch=0)
 
 
 def served_models(repository: Path = REPOSITORY) -> ServedModels:
-    """Read what ``face_pipeline`` serves (``export.served.served_networks``: settings, the ONNX files of the
-    newest versions, runtime and precision per network) plus its batching, for the report."""
+    """What ``face_pipeline`` serves (``export.served.served_networks``) plus its batching, for the report."""
     networks = served_networks(repository)
     settings = networks.settings
     pipeline = read_config(repository / "face_pipeline")
@@ -117,7 +98,7 @@ def served_models(repository: Path = REPOSITORY) -> ServedModels:
         lines.append(_describe(name, read_config(repository / name))
                      + f", {choice.runtime.value} {choice.precision}, {choice.threads} intra-op thread(s)")
     return ServedModels(settings, networks.detector_file, networks.embedder_file, networks.detector_runtime,
-                        networks.embedder_runtime, repository, "; ".join(lines))
+                        networks.embedder_runtime, "; ".join(lines))
 
 
 def _describe(name: str, config: mc.ModelConfig) -> str:

@@ -1,6 +1,5 @@
-"""Closed-loop load: N workers each send one request after another for a fixed time (``closed_loop``);
-one measured row with the CPU every watched process spent per request and Triton's statistics
-(``run_load``); a multipart upload sender for HTTP targets."""
+"""Closed-loop load (``closed_loop``), one measured row with the CPU every watched process spent per
+request and Triton's statistics (``run_load``), and the multipart sender for HTTP targets."""
 
 from __future__ import annotations
 
@@ -72,6 +71,12 @@ def closed_loop(send: Callable[[], object], concurrency: int, seconds: float, wa
     return LoadResult(concurrency, int(flat.size), sum(errors), elapsed, flat)
 
 
+def in_turn(call: Callable[[bytes], object], payloads: Sequence[bytes]) -> Callable[[], object]:
+    """A sender for ``closed_loop``: ``call`` on each payload in turn."""
+    turn = itertools.cycle(payloads)
+    return lambda: call(next(turn))
+
+
 def multipart_body(field_name: str, filename: str, data: bytes) -> tuple[bytes, str]:
     """One JPEG as a multipart/form-data body, and the Content-Type header that goes with it."""
     boundary = secrets.token_hex(16)
@@ -81,13 +86,10 @@ def multipart_body(field_name: str, filename: str, data: bytes) -> tuple[bytes, 
 
 
 class MultipartSender:
-    """Callable for ``closed_loop``: POSTs one image (or several, one per request in turn) as a
-    multipart upload over one keep-alive ``http.client`` connection per thread. The bodies are encoded
-    once: the load generator shares the machine's cores with what it measures, so it spends as little CPU
-    per request as it can (0.5-0.7 ms against 2.1-3.5 ms with an ``httpx`` client building and parsing
-    each request, measured side by side on a 2-core EPYC) and every target is measured with the same
-    sender. A response other than 200 raises (``closed_loop`` counts it as an error); a kept-alive
-    connection the server has closed is opened again once."""
+    """Callable for ``closed_loop``: POSTs one image (or several, in turn) as a multipart upload over one
+    keep-alive connection per thread, the bodies encoded once: the load generator shares the cores with
+    what it measures, so it spends as little CPU per request as it can (docs/benchmarks/README.md). A
+    status other than 200 raises; a kept-alive connection the server has closed is opened again once."""
 
     def __init__(self, url: str, field_name: str, filename: str, data: bytes | Sequence[bytes],
                  headers: Mapping[str, str] | None = None) -> None:
@@ -103,7 +105,6 @@ class MultipartSender:
                                          "Content-Length": str(len(body))}))
         if not self.requests:
             raise ValueError("no image to send")
-        self.body, self.headers = self.requests[0]
         self._turn = itertools.count()  # several images: each request sends the next one
         self._local = threading.local()
         self._connections: list[http.client.HTTPConnection] = []
@@ -129,8 +130,7 @@ class MultipartSender:
     def __call__(self) -> bytes:
         connection, reused = self._connection()
         try:
-            body, headers = (self.requests[next(self._turn) % len(self.requests)] if len(self.requests) > 1
-                             else (self.body, self.headers))
+            body, headers = self.requests[next(self._turn) % len(self.requests)]
             connection.request("POST", self.path, body, headers)
             response = connection.getresponse()
             content = response.read()
@@ -146,6 +146,12 @@ class MultipartSender:
             raise RuntimeError(f"{self.url}: {response.status} {content[:300]!r}")
         return content
 
+    def __enter__(self) -> MultipartSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             for connection in self._connections:
@@ -157,7 +163,7 @@ class MultipartSender:
 class LoadRow:
     """One closed-loop measurement with the CPU each process spent per request."""
 
-    target: str  # "REST identify", "gRPC face_pipeline", "naive /embed, 2 threads", ...
+    target: str  # "REST identify", "gRPC face_pipeline", "naive served /embed, 1 intra-op thread"
     photo: str
     concurrency: int
     requests: int
@@ -181,8 +187,8 @@ class LoadRow:
 
 def run_load(target: str, photo: str, send: Callable[[], object], concurrency: int, seconds: float,
              watched: Sequence[Watched] = (), triton_url: str | None = None) -> LoadRow:
-    """``closed_loop`` with the CPU time of this process and of ``watched`` processes, per request, and
-    Triton's statistics deltas when ``triton_url`` is given."""
+    """``closed_loop`` with the CPU of this process and of ``watched`` ones per request, and Triton's
+    statistics deltas when ``triton_url`` is given."""
     before_stats = model_statistics(triton_url) if triton_url else None
     pids = {w.name: w.pids() for w in watched}
     cpu_before = {name: cpu_seconds(p) for name, p in pids.items()}

@@ -1,6 +1,5 @@
-"""CPU time and resident memory of processes, read from ``/proc`` directly (no psutil): a process tree
-(``tritonserver`` plus its Python-backend stub processes) sampled while a benchmark runs; and child HTTP
-servers (the gateway, the naive app) started and stopped like the launcher stops Triton."""
+"""CPU time and resident memory of process trees (``tritonserver`` and its Python-backend stubs) from
+``/proc``, and child HTTP servers (the gateway, the naive app), stopped as the launcher stops Triton."""
 
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ def process_tree(root: int) -> list[int]:
 
 
 def process_label(pid: int) -> str:
-    """``tritonserver``, ``stub face_detector`` (a Python-backend stub, named by its model), or the comm."""
+    """``tritonserver``, ``stub face_detector`` (a Python-backend stub, by its model), or the comm."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -89,11 +88,9 @@ def _pss_bytes(pid: int) -> int | None:
 
 
 def resident_bytes(pids: Iterable[int]) -> int:
-    """The memory these processes hold: their summed PSS (proportional set size, ``/proc/PID/smaps_rollup``).
-    A page that n processes share counts 1/n in each, so the pages Triton's server shares with its
-    Python-backend stubs (the shared-memory regions the tensors cross, the libraries) count once in the
-    tree's sum; summed RSS (``rss_bytes``) counts them once per process: 2.1 GB against a PSS of 1.1 GB for
-    the same server and stubs, measured here. A process whose smaps_rollup cannot be read counts its RSS."""
+    """The memory these processes hold: their summed PSS (``/proc/PID/smaps_rollup``; RSS where it cannot
+    be read). A page n processes share counts 1/n in each, so what Triton's server shares with its stubs
+    (the shared-memory regions, the libraries) counts once in a tree's sum, not once per process."""
     total = 0
     for pid in pids:
         pss = _pss_bytes(pid)
@@ -115,8 +112,7 @@ class Watched:
 
 @dataclass
 class RssSampler:
-    """Samples the resident memory (``resident_bytes``: PSS) of watched process trees every ``interval``
-    seconds in a thread."""
+    """Samples ``resident_bytes`` of watched process trees every ``interval`` seconds in a thread."""
 
     watched: Sequence[Watched]
     interval: float
@@ -144,13 +140,9 @@ class RssSampler:
             self._thread.join()
 
 
-# --- HTTP servers in subprocesses ---------------------------------------------------------------------
-
-
 def start_server(command: Sequence[str], env: Mapping[str, str], log_file: Path, ready_url: str,
                  timeout: float = 120.0) -> subprocess.Popen[bytes]:
-    """Start ``command`` (its output appended to ``log_file``, its own session) and wait until
-    ``ready_url`` answers 200; ``service.launcher.stop_process`` stops it."""
+    """Start ``command`` (output to ``log_file``, its own session) and wait until ``ready_url`` answers."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("ab") as output:
         process = subprocess.Popen(list(command), env=dict(env), stdout=output, stderr=subprocess.STDOUT,
@@ -167,7 +159,7 @@ def start_server(command: Sequence[str], env: Mapping[str, str], log_file: Path,
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 right now (for one child server; Triton takes ``TritonPorts.free()``)."""
+    """A port free on 127.0.0.1 right now, for one child server."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

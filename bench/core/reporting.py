@@ -1,13 +1,17 @@
-"""What every benchmark report shares: Markdown tables, sections of a shared Markdown file (between
-marker comments, replaced in place), number formatting, and the one description of the machine."""
+"""What every benchmark report shares: the command line and logging, Markdown tables, sections of a shared
+Markdown file (between marker comments, replaced in place), and the one description of the machine."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import logging
 import os
 import platform
 import re
+import shlex
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -18,7 +22,26 @@ Row = TypeVar("Row")
 TITLES = {"README.md": "# Benchmarks", "gallery.md": "# Gallery benchmarks"}
 
 
-# --- Markdown ----------------------------------------------------------------------------------------
+def cli(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m module``, its help the module's docstring as written."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def log_progress(*quiet: str) -> None:
+    """Progress lines on stderr; the ``quiet`` loggers' warnings only."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """``python -m module`` with ``argv`` (None: this process's arguments), as a report quotes it."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def run_header(command: str, machine: str) -> str:
+    return f"Command: `{command}`  \nDate: {time.strftime('%Y-%m-%d %H:%M %Z')}  \nMachine: {machine}"
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -69,9 +92,6 @@ def fmt(value: float | None, digits: int) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
-# --- the machine ------------------------------------------------------------------------------------
-
-
 def package_version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -92,18 +112,15 @@ def os_name() -> str:
     return platform.platform()
 
 
-#: ``/proc/cpuinfo`` flags that decide how fast the networks (bf16) and FAISS's scans run, as reports
-#: name them
+#: ``/proc/cpuinfo`` flags that decide how fast the networks (bf16) and FAISS's scans run
 CPU_FEATURES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"),
                 ("amx_bf16", "AMX"))
 
 
 def cpu_identity(cpuinfo: str | None = None) -> str:
-    """The CPU's model name with its family and model numbers and the vector features of ``CPU_FEATURES`` it
-    reports, e.g. ``AMD EPYC (family 26, model 2; AVX2, AVX-512, AVX-512 BF16)``: a virtual machine often
-    shows only a generic name, and two machines of that name may be generations apart (a 2-core "AMD EPYC"
-    with AVX-512 BF16 ran the bf16 ceiling at 62 images/s on 2026-12-03 and 109 on 2026-12-04).
-    ``cpuinfo`` is the text of ``/proc/cpuinfo`` (read when None); without one, the model name alone."""
+    """The CPU's model name with its family, model and ``CPU_FEATURES``, e.g. ``AMD EPYC (family 26,
+    model 2; AVX2, AVX-512, AVX-512 BF16)``: a virtual machine often shows only a generic name, and two
+    machines of that name may be generations apart. ``cpuinfo``: ``/proc/cpuinfo``'s text (None: read)."""
     from facecore.runtimes import cpu_model
 
     if cpuinfo is None:
@@ -147,7 +164,6 @@ def _hardware() -> str:
 
 
 def _serving_stack(triton: str) -> str:
-    """OS, Python and the versions of the serving stack."""
     import onnxruntime
 
     server = triton or f"tritonserver from nvidia-pytriton {package_version('nvidia-pytriton')}"
@@ -159,8 +175,7 @@ def _serving_stack(triton: str) -> str:
 
 
 def machine_description(*, serving: bool = False, triton: str = "") -> str:
-    """The machine a report was measured on: CPU, cores, RAM, FAISS, numpy, GPU; with ``serving``, also the
-    OS, Python and the serving stack's versions (``triton``: the server that ran, e.g. ``tritonserver
-    2.51.0``; default: the bundled wheel's version)."""
+    """CPU, cores, RAM, FAISS, numpy, GPU; with ``serving``, also the OS, Python and the serving stack's
+    versions (``triton``: the server that ran; default: the bundled wheel's version)."""
     hardware = _hardware()
     return f"{hardware}; {_serving_stack(triton)}" if serving else hardware

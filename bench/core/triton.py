@@ -1,5 +1,4 @@
-"""The bundled Triton for a benchmark, started through ``service.launcher`` (on a repository written for
-a tuning, for the tuning benchmarks), and its statistics per model."""
+"""The bundled Triton for a benchmark, started through ``service.launcher``, and its statistics."""
 
 from __future__ import annotations
 
@@ -14,19 +13,16 @@ from export.profiles import Profile, ProfileTuning
 from export.repository import RepositoryPlan, write_repository
 from service.launcher import TritonPorts, TritonServer
 
-#: Where a benchmark's tritonserver writes its log unless it says otherwise.
 TRITON_LOG = ARTIFACTS / "bench-tritonserver.log"
 
 
 def bundled_triton(repository: Path = REPOSITORY, log_file: Path = TRITON_LOG) -> TritonServer:
-    """A ``TritonServer`` on free ports (start it, or use it as a context manager)."""
     return TritonServer(repository, TritonPorts.free(), log_file=log_file)
 
 
 @contextmanager
 def served_tuning(tuning: ProfileTuning, folder: Path, log_file: Path) -> Iterator[TritonServer]:
-    """A CPU model repository written for ``tuning`` into ``folder`` (``bench.tune``'s and
-    ``bench.compare``'s candidates), served by the bundled Triton for the block."""
+    """A CPU model repository written for ``tuning`` into ``folder``, served for the block."""
     models = prepare_default_models(ARTIFACTS)
     repository = folder / "cpu"
     write_repository(RepositoryPlan(Profile.CPU, models.detector, models.embedder, tuning=tuning), repository,
@@ -37,7 +33,7 @@ def served_tuning(tuning: ProfileTuning, folder: Path, log_file: Path) -> Iterat
 
 @contextmanager
 def triton_url(url: str | None, repository: Path = REPOSITORY, log_file: Path = TRITON_LOG) -> Iterator[str]:
-    """``url`` (a running Triton's gRPC address) as is, or the bundled Triton started for the block."""
+    """``url`` (a running Triton's gRPC address), or the bundled Triton started for the block."""
     if url is not None:
         yield url
         return
@@ -50,9 +46,8 @@ _COMPUTE = ("compute_input", "compute_infer", "compute_output")
 
 
 def model_statistics(url: str, models: Sequence[str] = MODELS) -> dict[str, dict[str, float]]:
-    """Cumulative counters per model. ``requests``/``request_ns``/``queue_ns`` are per request (a request
-    in a batch of 4 counts the whole execution's duration); ``exec_compute_ns`` sums the executions
-    (``batch_stats``), so it is the time the model really spent computing."""
+    """Cumulative counters per model. ``request_ns`` and ``queue_ns`` add up per request (a request in a
+    batch of 4 counts the whole execution); ``exec_compute_ns`` per execution: the time really computing."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -71,7 +66,6 @@ def model_statistics(url: str, models: Sequence[str] = MODELS) -> dict[str, dict
                 "requests": float(inference.get("success", {}).get("count", 0)),
                 "request_ns": ns(inference, "success"),
                 "queue_ns": ns(inference, "queue"),
-                "compute_ns": sum(ns(inference, k) for k in _COMPUTE),
                 "exec_compute_ns": sum(ns(batch, k) for batch in stats.get("batch_stats", [])
                                        for k in _COMPUTE),
             }
@@ -82,10 +76,9 @@ def model_statistics(url: str, models: Sequence[str] = MODELS) -> dict[str, dict
 
 def statistics_delta(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
                      ) -> dict[str, dict[str, float]]:
-    """Per model over the interval: average batch (items per execution), queue and request time per
-    request, compute time per execution and per item, and, for ``face_pipeline``, its time outside the
-    two networks per image (its executions' compute time minus the detector's and embedder's request
-    times its BLS calls waited for, divided by the images)."""
+    """Per model over the interval: average batch, queue and request time per request, compute time per
+    execution and per item; for ``face_pipeline`` in the BLS layout, its time outside the two networks
+    per image (its compute time minus the networks' request times its calls waited for)."""
     d = {name: {k: after[name][k] - before[name].get(k, 0.0) for k in after[name]} for name in after}
     rows: dict[str, dict[str, float]] = {}
     for name, v in d.items():
@@ -93,7 +86,6 @@ def statistics_delta(before: Mapping[str, Mapping[str, float]], after: Mapping[s
         rows[name] = {
             "items": v["items"], "executions": v["executions"], "requests": v["requests"],
             "avg_batch": v["items"] / executions,
-            "requests_per_exec": v["requests"] / executions,
             "queue_ms_per_request": v["queue_ns"] / requests / 1e6,
             "request_ms": v["request_ns"] / requests / 1e6,
             "compute_ms_per_exec": v["exec_compute_ns"] / executions / 1e6,
@@ -104,7 +96,6 @@ def statistics_delta(before: Mapping[str, Mapping[str, float]], after: Mapping[s
     if "face_pipeline" in d and networks_called:
         pipeline, det, emb = d["face_pipeline"], d["face_detector"], d["face_embedder"]
         images = max(pipeline["items"], 1.0)
-        rows["face_pipeline"]["models_ms_per_image"] = (det["request_ns"] + emb["request_ns"]) / images / 1e6
         rows["face_pipeline"]["outside_models_ms_per_image"] = (
             pipeline["exec_compute_ns"] - det["request_ns"] - emb["request_ns"]) / images / 1e6
     return rows
