@@ -1,17 +1,14 @@
-"""``python -m bench.calibration``: decisions at a target FPIR, on real faces and on synthetic galleries
-fitted to them (issue 40's targets; docs/calibration.md has the results).
+"""``python -m bench.calibration``: decisions at a target FPIR on real faces and on synthetic galleries
+fitted to them (issue 40's targets; results in docs/benchmarks/calibration.md).
 
-- ``faces``: the labelled folder of every real face this machine has (the pinned photos, and the
-  CompreFace sample photos in ``../shared/faces`` where present), one subfolder per person, group photos
-  cropped around each annotated face. ``python -m recognition evaluate --folder`` measures it.
-- ``synthetic``: labelled embeddings drawn from that fitted model, several faces per person, in the file
-  format of ``python -m recognition evaluate`` (``--embeddings``): how the fusions compare where people
-  have many faces, which the real faces cannot show.
-- ``run``: galleries of ``--sizes`` synthetic identities drawn from a model fitted to half of the real
-  identities (their impostor and genuine score statistics), the other half kept as real strangers. At
-  each size, strangers matched to somebody (FPIR) and genuine probes missed (FNIR) at the threshold the
-  ``fpir`` policy derives from the gallery's own cross-identity scores, beside the model's fixed
-  threshold; the calibration's CPU per identify beside the search's; re-deriving after an import.
+- ``faces``: every real face of this machine (the pinned photos; CompreFace's sample photos in
+  ``../shared/faces`` where present) as a labelled folder for ``python -m recognition evaluate``.
+- ``synthetic``: labelled embeddings from a model fitted to the real faces, several faces a person, for
+  ``evaluate --embeddings``: the fusions compared where people have many faces.
+- ``run``: galleries of ``--sizes`` synthetic identities fitted to half the real people, the other half
+  real strangers: strangers matched (FPIR) and genuine probes missed (FNIR) at the threshold the ``fpir``
+  policy derives from each gallery's own scores, beside the fixed threshold; the calibration's CPU per
+  identify; re-deriving after an import.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -33,7 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bench.core.inputs import ARTIFACTS, ROOT
-from bench.core.reporting import machine_description, table, write_section
+from bench.core.reporting import cli, command_line, machine_description, run_header, table, write_section
 from facecore.client import PipelineClient
 from gallery.calibration import FPIR, decide, measured_calibration
 from gallery.store.store import CollectionInfo
@@ -339,8 +335,7 @@ def report(rows: list[SizeRow], result: dict[str, Any], command: str) -> str:
         ("fixed: FPIR real", lambda r: _rate(r.fixed_real)), ("fixed: FNIR", lambda r: _rate(r.fixed_fnir)),
         ("calibration measured in", "{0.measure_s:.1f} s")]
     lines = [
-        f"Command: `{command}`  ", f"Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC  ",
-        f"Machine: {machine_description()}", "",
+        run_header(command, machine_description()), "",
         f"Generator fitted on {fit['identities']} real identities ({fit['impostor pairs']} impostor pairs): "
         f"impostor mean, sd, 99th, 99.9th percentile real {fit['impostor real']}, fitted "
         f"{fit['impostor fitted']}; genuine mean, sd real {fit['genuine real']}, fitted "
@@ -354,13 +349,11 @@ def report(rows: list[SizeRow], result: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.calibration", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli("bench.calibration", __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     faces = sub.add_parser("faces", help="write the labelled folder of real faces")
     faces.add_argument("--out", type=Path, required=True)
-    faces.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address (faces are cropped where "
-                       "it detects them)")
+    faces.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address")
     synthetic = sub.add_parser("synthetic",
                                help="labelled embeddings from the model fitted to the real faces")
     synthetic.add_argument("--embeddings", type=Path, required=True, help="embeddings.npz of the real faces")
@@ -379,7 +372,6 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--import-faces", type=int, default=100_000)
     measure.add_argument("--json", type=Path, help="raw numbers (docs/benchmarks/runs/)")
     measure.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "calibration.md")
-    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "faces":
         print(json.dumps(build_faces(args.out, args.url), indent=1))
@@ -390,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, result = run(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
-    text = report(rows, result, "python -m bench.calibration " + " ".join(argv))
+    text = report(rows, result, command_line("bench.calibration", argv))
     write_section(args.out, "calibration", text)
     print(text)
     return 0
