@@ -348,7 +348,7 @@ def report(rows: list[SizeRow], result: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli("bench.calibration", __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     faces = sub.add_parser("faces", help="write the labelled folder of real faces")
@@ -372,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--import-faces", type=int, default=100_000)
     measure.add_argument("--json", type=Path, help="raw numbers (docs/benchmarks/runs/)")
     measure.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "calibration.md")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "faces":
         print(json.dumps(build_faces(args.out, args.url), indent=1))
         return 0

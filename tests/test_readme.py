@@ -37,6 +37,7 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from bench.calibration import build_parser as calibration_parser
 from bench.gpu import build_parser as gpu_parser
 from export.__main__ import parser as export_parser
 from facecore.settings import GallerySettings, GatewaySettings
@@ -95,7 +96,8 @@ def _subcommands(parser: Any) -> set[str]:
 
 SUBCOMMANDS = {"export": _subcommands(export_parser()), "gallery": _subcommands(gallery_parser()),
                "recognition": _subcommands(recognition_parser()),
-               "bench.gpu": _subcommands(gpu_parser())}
+               "bench.gpu": _subcommands(gpu_parser()),
+               "bench.calibration": _subcommands(calibration_parser())}
 
 
 @pytest.fixture(scope="module")

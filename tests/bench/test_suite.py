@@ -27,12 +27,13 @@ from bench.stack import VARIANT_SIZES, MemoryRun, shape_variants
 from export.profiles import Profile, ProfileTuning
 from facecore.onnx_runtime import OnnxDetector, OnnxEmbedder, create_session
 from facecore.processing import letterbox
+from tests import ROOT
 
 
 def test_the_recorded_report_is_rendered_from_its_results() -> None:
     """docs/benchmarks/README.md is what the report code writes for docs/benchmarks/runs/results.json.
     After a change to bench/report.py: `python -m bench.report --rerender docs/benchmarks`."""
-    folder = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+    folder = ROOT / "docs" / "benchmarks"
     results = Results.from_json(json.loads((folder / report.RESULTS).read_text()))
     assert results.ceiling and results.stack and results.memory
     recorded = read_section((folder / "README.md").read_text(), report.SECTION).strip()
