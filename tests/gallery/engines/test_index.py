@@ -839,7 +839,7 @@ def test_stats_prints_each_collection_with_its_index(store: GalleryStore, tmp_pa
     enroll_clustered(store, rng, "small", 3, 4, 32)
     url = store.db.engine.url.render_as_string(hide_password=False)
     assert gallery_main(["--database-url", url, "--snapshot-dir", str(tmp_path / "s"), "stats"]) == 0
-    assert capsys.readouterr().out == f"small\t{MODEL}\t32-d\t12 faces\tflat (exact)\n"
+    assert capsys.readouterr().out == f"small\t{MODEL}\t32-d\t12 faces\tflat (exact)\tfixed threshold 0.5\n"
 
     vectors = clustered(rng, 20, 12, 32)
     ids = np.arange(len(vectors), dtype=np.int64)
