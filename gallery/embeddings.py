@@ -38,8 +38,8 @@ def validate_embeddings(vectors: Sequence[ArrayLike] | ArrayLike, dimension: int
 def row_scores(rows: NDArray[np.float32], vector: NDArray[np.float32]) -> NDArray[np.float32]:
     """The inner product of every row of ``rows`` [n, d] with ``vector`` [d] (cosine similarities for
     L2-normalized embeddings), by numpy's own loops: ``rows @ vector`` hands a product of about 9,000
-    numbers or more (18 faces at 512-d) to numpy's OpenBLAS threads, which then spin for about 0.1 s, a
-    core taken from the gallery's searches and the pipeline on the same machine."""
+    numbers or more (18 faces at 512-d) to numpy's OpenBLAS threads, which then spin long after it, a core
+    taken from the gallery's searches and the pipeline on the same machine."""
     scores: NDArray[np.float32] = np.einsum("fd,d->f", rows, vector)
     return scores
 

@@ -99,7 +99,7 @@ class MilvusIndex:
 
     def add(self, face_ids: Ids, identity_ids: Ids, vectors: Vectors, fresh: bool = False) -> None:
         """Upsert (replaying a change is harmless); ``fresh``: plain inserts into a new collection
-        (an upsert is a delete plus an insert: 100k x 512 took 521 s to upsert into milvus-lite)."""
+        (an upsert is a delete plus an insert: slow for a whole collection in milvus-lite)."""
         write = self.client.insert if fresh else self.client.upsert
         for start in range(0, len(face_ids), INSERT_BATCH):
             stop = start + INSERT_BATCH

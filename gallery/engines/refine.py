@@ -14,11 +14,9 @@ only).
 for blocks of queries. ``fast_scan_kernel`` picks per call: for batches, FAISS's choice; for a lone query
 with a short re-rank, the index's ``lone_kernel``, FAISS's choice or the kernel that reads the codes once
 per query (14), whichever ``pick_lone_kernel`` measured faster on this machine. Which one wins depends on
-the CPU: 500k codes at 128-d with 128 sub-quantizers, one thread, took 1.3-1.5 ms with 14 against 2.6-2.8 ms
-with FAISS's choice on a 2-core AMD EPYC; a lone query over 1M such codes on both cores of a 2-core Xeon
-with AMX (FAISS's AVX512_SPR build) took 2.1-2.4 ms with 14 against 1.7-2.0 ms with FAISS's choice (medians
-of 4 alternating rounds; at 512-d with 64 sub-quantizers the two were within 5 %). Both rank by the same
-codes. With a deep top-k (k > 20) FAISS's choice is faster everywhere measured.
+the CPU: at 128-d the per-query kernel halved a lone query's scan on some CPUs and was slower than FAISS's
+choice on others (those FAISS runs with its AVX512_SPR build); at 512-d the two were close. Both rank by
+the same codes. With a deep top-k (k > 20) FAISS's choice is faster everywhere measured.
 """
 
 from __future__ import annotations
@@ -50,18 +48,19 @@ def _pq4(dimension: int, subquantizers: int) -> Any:
 def pq4_fast_scan(dimension: int) -> Any:
     """4-bit PQ fast-scan codes, 64 sub-quantizers (32 bytes per face) from 128-d up: one per 2
     dimensions at 128-d, per 8 at 512-d. Measured at 1M x 128 (face-like data, SFace's threshold): with
-    one per 4 dimensions, even re-ranking 8192 candidates agreed with exact search on only 99.65 % of
-    impostor decisions; with one per 2, 512 candidates reach 99.9 %."""
+    one per 4 dimensions, even a re-rank deeper than the selection tries fell short of the impostor
+    agreement target; with one per 2, a moderate re-rank reaches it."""
     return _pq4(dimension, min(64, dimension // 2))
 
 
 def pq4_fast_scan_fine(dimension: int) -> Any:
     """Twice the sub-quantizers of ``pq4_fast_scan`` (one per dimension at 128-d: 64 bytes per face): a
     scan twice as long, codes accurate enough for a short re-rank. Measured at 1M x 128 (face-like data,
-    SFace's threshold, 2 cores): 32 candidates agree with exact search on every genuine and impostor probe
-    where ``pq4_fast_scan`` needs 2048, and under load (32 one-query requests at once through the request
-    batcher) it served 1.6-2.2x the queries per second in side-by-side runs (the coarse codes' deep
-    re-rank does not batch). At 512-d both need 16 candidates and the coarse codes are simply cheaper."""
+    SFace's threshold): tens of candidates agree with exact search on every genuine and impostor probe
+    where ``pq4_fast_scan`` needs thousands, and under load (many one-query requests at once through the
+    request batcher) it served more queries per second in side-by-side runs (the coarse codes' deep
+    re-rank does not batch). At 512-d both need the shallowest re-rank and the coarse codes are simply
+    cheaper."""
     return _pq4(dimension, min(128, dimension))
 
 
@@ -124,9 +123,9 @@ class RefinedIndex:
     def _grow(self, extra: int) -> None:
         """Room for ``extra`` more rows: the arrays are enlarged in place where numpy can (``realloc``, which
         moves a large block's pages without copying them), else copied. Copied, the old vectors and a 1.25x
-        larger copy were held at once: a built 500k x 512 index (977 MiB of vectors) took 981 MiB more and
-        1 s (under the collection's lock) to take one face; in place, 126 MiB and 0.1 s: the new rows alone,
-        resident at once as numpy zeroes them (hence steps of an eighth, not a quarter)."""
+        larger copy were held at once: a large index took about its own size again in memory, and a pause
+        under the collection's lock, to take one face; in place, a small fraction of both: the new rows
+        alone, resident at once as numpy zeroes them (hence steps of an eighth, not a quarter)."""
         needed = self._used + extra
         if needed <= len(self._vectors):
             return
@@ -255,9 +254,8 @@ class RefinedIndex:
             part = slice(start, start + step)
             gathered = self._vectors[np.maximum(rows[part], 0)]  # [step, candidates, d]
             # numpy's own loops, not BLAS: numpy's OpenBLAS splits a product of about 9,000 numbers per query
-            # or more (20 candidates at 512-d) over its threads, which then spin for about 0.1 s, taking the
-            # cores from the next scans (1M x 512 lone queries right after a batch: 4.4-8.7 ms against
-            # 2.1-4.0 ms before it, 2-core Xeon)
+            # or more (20 candidates at 512-d) over its threads, which then spin long after it, taking the
+            # cores from the next scans (lone queries right after a batch took about twice as long)
             scores[part] = np.einsum("qcd,qd->qc", gathered, queries[part])
         scores = np.where(rows >= 0, scores, -np.inf).astype(np.float32)
         if scores.shape[1] > k:  # the k best (ties at the k-th place: any of them), then ordered
@@ -271,8 +269,8 @@ class RefinedIndex:
 
     def write(self, handle: Any) -> None:
         """Write the index to an open binary file (an ``.npz``), streamed: numpy writes each array in
-        chunks of 16 MiB, so a snapshot needs no second copy of the index in memory: a 1M x 128 index's
-        534 MiB snapshot raised the peak resident memory by 66 MiB, against 597 MiB written through bytes."""
+        chunks of 16 MiB, so a snapshot needs no second copy of the index in memory (written through bytes,
+        the peak resident memory grew by more than the snapshot's size; streamed, by a small fraction)."""
         arrays: dict[str, Any] = {"vectors": self._vectors[: self._used],
                                   "row_ids": self._row_ids[: self._used], "rerank": np.array([self.rerank])}
         for number, shard in enumerate(self._shards):
@@ -283,8 +281,8 @@ class RefinedIndex:
     @classmethod
     def from_file(cls, handle: Any) -> RefinedIndex:
         """The index ``write`` wrote. Each array is read once and kept as read (``np.load`` reads a member
-        again at every access; reading the vectors twice and copying them, a 1M x 128 index's load peaked
-        at 1,009 MiB above the 536 MiB it keeps)."""
+        again at every access; reading the vectors twice and copying them, a load peaked at about twice
+        what the index keeps)."""
         with np.load(handle, allow_pickle=False) as data:
             count = sum(1 for name in data.files if name.startswith("codes"))
             shards = [faiss.deserialize_index(data[f"codes{n}"]) for n in range(count)]

@@ -19,9 +19,9 @@ Its single-query latency (the better of two passes) and its throughput under loa
 ``target_p99_ms``, ``rivals`` more are tried, and a rival within it replaces the candidate kept so far
 when it serves at least ``rival_margin`` times its queries per second under load, the two measured side
 by side: latency is the constraint, throughput under load the objective (at 1M x 128 the finer PQ codes
-answer one query about as fast and serve 1.2-1.5x as many at concurrency 8, 1.5-2.2x at 32; at 512-d
-they only double the scan). With none within it, the accurate candidate with the lowest p99 is kept if
-it beats the exact scan, else the collection stays exact. After ``selection_budget_s`` no further
+answered one query about as fast and served more under load, the more so the more requests at once; at
+512-d they only double the scan). With none within it, the accurate candidate with the lowest p99 is kept
+if it beats the exact scan, else the collection stays exact. After ``selection_budget_s`` no further
 candidate is tried once one is usable, so a build stays within minutes where none reaches the p99
 target. Every measurement is logged and kept on the index (``FaceIndex.selection``).
 """
@@ -68,8 +68,8 @@ class IndexConfig:
     #: Above this many faces the candidates are always measured.
     exact_max: int = 200_000
     #: Up to this many the exact scan is kept without a look; between the two it is kept only when its
-    #: single-query p99 is within ``target_p99_ms`` (timed at build: an exact scan of 100k x 128 took
-    #: 9.6 ms on a 2-core AVX2 EPYC, 200k x 512 about 22 ms on an AVX-512 one).
+    #: single-query p99 is within ``target_p99_ms`` (timed at build: in this range the exact scan meets
+    #: the target or not depending on the CPU and the dimension).
     exact_always: int = 20_000
     #: Tried in this order above ``exact_max`` (see the module's docstring for which is kept).
     candidates: tuple[str, ...] = ("pq4fs", "pq4fs-fine", "sq8", "ivf")
@@ -77,8 +77,8 @@ class IndexConfig:
     rivals: int = 1
     #: Concurrent one-query requests, and requests in all, of the throughput measurement: about what a
     #: gateway's searches reach (they run on asyncio's default thread pool, min(32, CPUs + 4) threads:
-    #: 6 on 2 cores). With 32 threads the measurement also left ~200-300 MB of freed memory in their
-    #: allocator arenas, kept by the process after the build.
+    #: 6 on 2 cores). With 32 threads the measurement also left much freed memory in their allocator
+    #: arenas, kept by the process after the build.
     throughput_concurrency: int = 8
     throughput_requests: int = 160
     #: A rival replaces the candidate kept so far only when it serves this many times its queries per
@@ -106,8 +106,8 @@ class IndexConfig:
     compact_fraction: float = 0.1
     #: Seconds of selection after which no further candidate is tried once one is usable (accurate and
     #: faster than the exact scan), within ``target_p99_ms`` or not: where no candidate reaches the p99
-    #: target every one is built in turn (on a 2-core AVX2-only EPYC at 1M x 128 that took 342 s, IVF
-    #: alone 196 s), and a build should stay within about 3 minutes.
+    #: target (a large collection, a CPU without AVX-512) every one is built in turn, for well over the
+    #: 3 minutes or so a build should stay within (IVF alone more than half of that).
     selection_budget_s: float = 120.0
     #: An index chosen by measurement is measured again (in the background) once its collection holds
     #: this many times the faces it was chosen at (0: never; else more than 1): the re-rank depth or
@@ -286,7 +286,8 @@ def tune(candidate: IndexCandidate, probes: Probes, config: IndexConfig) -> Meas
     if measured.accurate and config.latency_check:
         candidate.tune_for_this_machine(probes.genuine[: config.latency_queries])
         # the better of LATENCY_PASSES passes for each figure: a shared machine's noise only slows a
-        # pass down (one slow moment made a 5.03 ms p99 of a candidate whose other passes gave 3-4 ms)
+        # pass down (one slow moment pushed a candidate's p99 past the target where its other passes were
+        # well within it)
         passes = [latency_ms(lambda q: candidate.search(q, K), probes.genuine[: config.latency_queries])
                   for _ in range(LATENCY_PASSES)]
         measured.p50_ms, measured.p99_ms = min(p50 for p50, _ in passes), min(p99 for _, p99 in passes)

@@ -1,16 +1,15 @@
 """How many OpenMP threads a FAISS search gets, and at what priority a background build runs.
 
 FAISS spreads a search over OpenMP threads, and libgomp's idle workers then spin, waiting for the next
-parallel region, for a few milliseconds of CPU. For the searches a gateway mostly does (one query, a
-collection of hundreds or thousands of faces: well under a millisecond of work) that spin cost more than
-the search itself: 5.8 ms of CPU per search, spaced like requests, against 0.3 ms on one thread, taken
-from the Triton process on the same cores. A lone query gains nothing from a second thread either: FAISS
-1.15's exact search splits its work by query, and with two threads a lone query over 1M x 128 took 70-73 ms
-and 136 ms of CPU against 26 ms and 25-27 ms on one (2-core AMD EPYC, 2026-12-03), where two or more
-queries took 12-15 ms each on two threads against 23-26 on one. So small searches and lone queries run
-on the calling thread alone, and large batches on all of FAISS's threads. ``omp_set_num_threads`` sets
-the calling thread's own count (libgomp keeps it per thread), so it is set around every search, in the
-thread that searches, and put back after it (an index build in the same thread keeps all of them).
+parallel region. For the searches a gateway mostly does (one query, a collection of hundreds or thousands
+of faces) that spin cost many times the CPU of the search itself, taken from the Triton process on the
+same cores. A lone query gains nothing from a second thread either: FAISS 1.15's exact search splits its
+work by query, so a lone query over a large collection took several times longer on two threads than on
+one, for several times the CPU, where two or more queries took about half as long each on two threads. So
+small searches and lone queries run on the calling thread alone, and large batches on all of FAISS's
+threads. ``omp_set_num_threads`` sets the calling thread's own count (libgomp keeps it per thread), so it
+is set around every search, in the thread that searches, and put back after it (an index build in the
+same thread keeps all of them).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from typing import TypeVar
 import faiss
 
 #: Below this many multiply-adds (queries x vectors x dimension, exact-search terms) a search runs on one
-#: thread: about a millisecond of work (65k faces x 128-d for one query).
+#: thread (65k faces x 128-d for one query): too little work to pay for a second thread's idle spin.
 SMALL_WORK = 1 << 23
 
 
@@ -47,8 +46,7 @@ def threads_for(queries: int, work: int) -> Iterator[None]:
 #: Nice value a background index build adds to its thread. On Linux a thread's nice value is its own and
 #: the threads it starts inherit it (FAISS's OpenMP workers, the selection's throughput probes), so the
 #: searches and requests served meanwhile go first; on an idle machine the build runs as fast as before.
-#: Measured (a 300k x 128 selection beside one-thread 40k-face searches in the same process, 2 cores):
-#: the searches' p99 5.68 -> 2.25 ms, p90 1.91 -> 1.50 ms, the build 26.8 -> 27.1 s.
+#: Beside a large selection, the searches' p99 more than halved, and the build took hardly longer.
 BACKGROUND_NICE = 10
 
 

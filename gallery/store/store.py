@@ -403,8 +403,7 @@ class GalleryStore:
 
         Read in pages of ``VECTOR_PAGE`` rows into arrays sized by a count first, so the peak is the
         result and one page: every row at once, their bytes joined and then converted came to about three
-        times the result (200k x 512: 1,220 MiB above the start for a 391 MiB matrix, at a build or a
-        background re-selection, beside the index in use)."""
+        times the result (at a build or a background re-selection, beside the index in use)."""
         where = Face.collection_id == collection_id
         statement = select(Face.id, Face.identity_id, Face.embedding).where(where).order_by(Face.id)
         with self.db.read() as session:
