@@ -7,8 +7,8 @@
 Its parts, in this order (``--skip`` leaves some out): the in-process ceiling, alone (``bench/ceiling.py``);
 the naive baselines (``bench/naive.py``) and our stack (``bench/stack.py``) alternating at every
 concurrency; on the stack, latency at concurrency 1 paired (``bench/latency.py``), hold (the sweep's best
-concurrency against 16), enroll (``bench/enroll.py``) and memory; alone again, the ceiling's second pass
-and the gallery (``bench/gallery.py``, its quick sizes unless ``--full-gallery``).
+concurrency against 16), enroll (``bench/enroll.py``) and memory; alone again, the gallery
+(``bench/gallery.py``, its quick sizes unless ``--full-gallery``).
 
 The targets, ratios and tables go to ``<out>/README.md``, the raw numbers to
 ``<out>/runs/results.json``, the gallery and enrollment sections to ``<out>/gallery.md``. A part that
@@ -125,11 +125,6 @@ def in_process(r: Run) -> None:
     r.results.ceiling = ceiling.run(r.models, r.photos, r.plan.ceiling)
 
 
-def second_pass(r: Run) -> None:
-    if r.results.ceiling:  # the servers are stopped: the ceiling has the cores to itself again
-        ceiling.second_pass(r.models, r.photos, r.plan.ceiling, r.results.ceiling)
-
-
 def loads(r: Run) -> None:
     """The naive apps, REST identify and gRPC face_pipeline, alternating at every concurrency: the servers
     not under load sit idle, and a slow drift of a shared machine hits all alike instead of skewing their
@@ -205,7 +200,7 @@ Part = Callable[[Run], None]
 ALONE: dict[str, Part] = {"ceiling": in_process}
 WITH_NAIVE_APPS: dict[str, Part] = {"naive + stack (alternating)": loads}
 ON_THE_STACK: dict[str, Part] = {"latency": paired_latency, "hold": hold, "enroll": enroll, "memory": memory}
-ALONE_AGAIN: dict[str, Part] = {"ceiling, second pass": second_pass, "gallery": gallery}
+ALONE_AGAIN: dict[str, Part] = {"gallery": gallery}
 
 
 def _plain(r: Run) -> None:

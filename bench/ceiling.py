@@ -216,13 +216,11 @@ def end_to_end(job: WorkerJob, processes: int) -> tuple[float, float]:
 
 def run_layout(models: ServedModels, data: bytes, settings: PipelineSettings, layout: Layout,
                seconds: float) -> None:
-    """``layout`` end to end with its batch sizes; it keeps the better of this run and what it holds."""
+    """``layout`` end to end with its batch sizes: its images/s and CPU per image."""
     job = WorkerJob(data, replace(settings, detector_max_batch=layout.detector_batch,
                                   embedder_max_batch=layout.embedder_batch),
                     models, layout.threads, layout.images_per_call, seconds)
-    images_per_s, cpu_ms = end_to_end(job, layout.processes)
-    if images_per_s > layout.images_per_s:
-        layout.images_per_s, layout.cpu_ms_per_image = images_per_s, cpu_ms
+    layout.images_per_s, layout.cpu_ms_per_image = end_to_end(job, layout.processes)
 
 
 @dataclass
@@ -251,7 +249,6 @@ class PhotoCeiling:
     #: same files and settings on ONNX Runtime f32); the recorded runs also hold "fixed" and "plain" rows
     variant: str = "served"
     runtime: str = "onnxruntime f32"  # ServedModels.runtime (results before OpenVINO: ONNX Runtime)
-    passes: int = 1  # 2 once ``second_pass`` measured the split and the layouts again
 
     @property
     def single_image_ms(self) -> float:
@@ -264,10 +261,6 @@ class PhotoCeiling:
     @property
     def images_per_s(self) -> float:
         return max((layout.images_per_s for layout in self.layouts), default=float("nan"))
-
-    @property
-    def best_layout(self) -> Layout | None:
-        return max(self.layouts, key=lambda layout: layout.images_per_s) if self.layouts else None
 
 
 @dataclass(frozen=True)
@@ -339,25 +332,3 @@ def run(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions)
                 for name, data in photos.items()]
     return out
 
-
-def second_pass(models: ServedModels, photos: dict[str, bytes], options: CeilingOptions,
-                rows: Sequence[PhotoCeiling]) -> None:
-    """Measure the stage split and every layout of each row again and keep, for each, the better of the
-    two passes (the batch sizes the first pass chose). A ceiling is the best a server could reach, and
-    noise only slows a measurement down: on a machine whose speed drifts, one pass taken in a slow minute
-    set a ceiling the served stack then "beat"."""
-    ort = models.on_runtime(Runtime.ONNXRUNTIME)
-    for row in rows:
-        if row.photo not in photos:
-            continue
-        run_models = models if row.variant == "served" else ort
-        settings = models.settings
-        data = photos[row.photo]
-        log.info("%s, %s: second pass", row.photo, row.runtime)
-        for index, old in enumerate(row.splits):
-            new = stage_split(run_models, settings, data, old.threads, options.split_repeats)
-            if new.total_ms < old.total_ms:
-                row.splits[index] = new
-        for layout in row.layouts:
-            run_layout(run_models, data, settings, layout, options.seconds)
-        row.passes = 2

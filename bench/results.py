@@ -48,7 +48,7 @@ class Results:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Results:
         """The inverse of ``to_json``; fields of parts since removed are read past."""
-        values = {k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}
+        values = known(cls, data)
         values["ceiling"] = [_ceiling(c) for c in data["ceiling"]]
         for name in ("naive", "naive_plain", "stack"):
             values[name] = [LoadRow(**row) for row in data.get(name, [])]
@@ -63,12 +63,16 @@ def _ceiling(data: Mapping[str, Any]) -> PhotoCeiling:
     def sweep(values: Mapping[str, Mapping[str, float]]) -> dict[int, dict[int, float]]:
         return {int(t): {int(b): ms for b, ms in per.items()} for t, per in values.items()}
 
-    derived = ("single_image_ms", "images_per_s", "outside_models_ms")
-    return PhotoCeiling(**{**{k: v for k, v in data.items() if k not in derived},
+    return PhotoCeiling(**{**known(PhotoCeiling, data),
                            "input_size": tuple(data["input_size"]), "detector_ms": sweep(data["detector_ms"]),
                            "embedder_ms": sweep(data["embedder_ms"]),
                            "splits": [StageSplit(**s) for s in data["splits"]],
                            "layouts": [Layout(**lay) for lay in data["layouts"]]})
+
+
+def known(cls: Any, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The items of ``data`` that are fields of ``cls``: derived figures and removed ones are read past."""
+    return {k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}
 
 
 def find(rows: Sequence[LoadRow], target: str, photo: str, concurrency: int) -> LoadRow | None:

@@ -4,7 +4,6 @@ the ceiling on both runtimes (``bench/ceiling.py``, against the real OpenVINO an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,10 +16,7 @@ from bench.core.load import LoadRow
 from bench.core.reporting import table
 from bench.results import Results
 from bench.stack import HoldCheck, MemoryRun
-from export.defaults import SPECS
-from facecore.pipeline import PipelineSettings
-from facecore.runtimes import Runtime, RuntimeChoice
-from facecore.spec import load_spec
+from facecore.runtimes import Runtime
 
 
 def _ceiling(photo: str, variant: str, runtime: str, images_per_s: float, models_ms: float) -> PhotoCeiling:
@@ -131,45 +127,6 @@ def test_the_ceiling_runs_both_runtimes_on_the_served_files(photos: dict[str, Pa
         assert row.faces == 1 and row.images_per_s > 0 and row.single_image_ms > 0
     text = table(rows, report.CEILING)
     assert f"| {served_runtime} |" in text and "| onnxruntime f32 |" in text
-    # the second pass measures both runtimes again, for real, and each row keeps its better figures
-    before = {r.variant: (r.single_image_ms, r.images_per_s) for r in rows}
-    ceiling.second_pass(models, {"obama.jpg": photos["obama.jpg"].read_bytes()}, options, rows)
-    for row in rows:
-        assert row.passes == 2 and len(row.splits) == 1 and len(row.layouts) == 1
-        assert row.single_image_ms <= before[row.variant][0] and row.images_per_s >= before[row.variant][1]
-
-
-def test_a_second_ceiling_pass_keeps_the_better_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Noise only slows a measurement down: of two passes, the shorter single image and the higher
-    images/s stand, per layout and per thread count; a photo not in this run is not measured again."""
-    served = _ceiling("obama.jpg", "served", "openvino: detector bf16, embedder bf16", 40.0, 30.0)
-    served.layouts.append(Layout(1, 2, 1, 1, 1, 30.0, 40.0))
-    other = _ceiling("t1.jpg", "served", "openvino: detector bf16, embedder bf16", 35.0, 30.0)
-    slow_split = StageSplit(1, 1, served.splits[0].total_ms + 5, served.splits[0].stages_ms)
-    monkeypatch.setattr(ceiling, "stage_split", lambda *args: slow_split)
-    second = {2: 55.0, 1: 20.0}  # by processes: 2 x 1 thread faster now, 1 x 2 threads slower
-    monkeypatch.setattr(ceiling, "end_to_end", lambda job, processes: (second[processes], 30.0))
-
-    class Models:
-        settings = PipelineSettings(load_spec(SPECS / "retinaface_mnet025.toml"),
-                                    load_spec(SPECS / "sface_2021dec.toml"))
-        detector_file = embedder_file = Path("unused.onnx")
-
-        def on_runtime(self, runtime: Runtime) -> Models:
-            return self
-
-        def detector_choice(self, threads: int) -> RuntimeChoice:
-            return RuntimeChoice(threads=threads)
-
-        embedder_choice = detector_choice
-
-    single = served.single_image_ms
-    models: Any = Models()
-    ceiling.second_pass(models, {"obama.jpg": b"jpeg"}, ceiling.CeilingOptions(), [served, other])
-    assert served.single_image_ms == single  # the slower second split is not kept
-    assert [lay.images_per_s for lay in served.layouts] == [55.0, 30.0]
-    assert served.layouts[0].cpu_ms_per_image == 30.0 and served.passes == 2
-    assert other.passes == 1 and other.images_per_s == 35.0
 
 
 def test_paired_rounds_time_each_call_in_turn_after_the_warm_up() -> None:
