@@ -17,7 +17,6 @@ import json
 import logging
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
@@ -37,8 +36,6 @@ from bench.core.triton import triton_url
 from facecore.client import AsyncPipelineClient
 from facecore.spec import ModelSpec
 from gallery.cli import open_store
-from gallery.store.db import Database
-from gallery.store.store import FaceInfo, GalleryStore, IdentityInfo, NewFace
 from recognition.importer import Importer, ImportItem, ImportOptions, Status
 
 SOURCES = ("obama.jpg", "obama2.jpg", "obama3.jpg", "biden.jpg")
@@ -126,24 +123,6 @@ async def source_boxes(client: AsyncPipelineClient, photos: dict[str, Path]) -> 
     return boxes
 
 
-class TimedStore(GalleryStore):
-    """A store that adds up the wall time of ``add_faces`` (the importer's database writes)."""
-
-    def __init__(self, db: Database) -> None:
-        super().__init__(db)
-        self.write_seconds = 0.0
-        self._lock = threading.Lock()
-
-    def add_faces(self, collection: str, external_id: str, faces: Sequence[NewFace], embedding_model: str,
-                  create: tuple[str, dict[str, Any]] | None = None) -> tuple[IdentityInfo, list[FaceInfo]]:
-        began = time.perf_counter()
-        try:
-            return super().add_faces(collection, external_id, faces, embedding_model, create)
-        finally:
-            with self._lock:
-                self.write_seconds += time.perf_counter() - began
-
-
 @dataclass
 class Run:
     path: str  # "face_pipeline (raw)" or "import"
@@ -152,7 +131,6 @@ class Run:
     faces: int  # raw: images with exactly one face; import: faces enrolled
     seconds: float
     cpu_seconds: float  # this process (client side: decode, hashing, crops, SQL)
-    write_seconds: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
 
 
@@ -166,7 +144,7 @@ async def raw_run(client: AsyncPipelineClient, payloads: Sequence[bytes], concur
 async def import_run(client: AsyncPipelineClient, spec: ModelSpec, url: str, items: list[ImportItem],
                      concurrency: int) -> Run:
     """One import into a new collection of the database at ``url``."""
-    store = TimedStore(open_store(url).db)
+    store = open_store(url)
     collection = f"bench-enroll-{uuid.uuid4().hex[:8]}"
     store.create_collection(collection, spec.name, spec.embedding_dim, spec.match_threshold)
     try:
@@ -180,7 +158,7 @@ async def import_run(client: AsyncPipelineClient, spec: ModelSpec, url: str, ite
     statuses = Counter(r.status.value for r in results)
     database = store.db.engine.dialect.name
     return Run("import", database, len(items), statuses.get(Status.IMPORTED.value, 0), seconds, cpu_seconds,
-               store.write_seconds, dict(statuses))
+               dict(statuses))
 
 
 async def benchmark(url: str, photos: dict[str, Path], folder: Path, count: int, concurrency: int,
@@ -234,8 +212,6 @@ COLUMNS: tuple[tuple[str, Any], ...] = (
     ("seconds (median)", "{0[seconds]:.2f}"), ("faces/s", "{0[faces_per_s]:.1f}"),
     ("vs raw", "{0[vs_raw]:.2f}"),
     ("faces/s, every round", lambda r: " / ".join(f"{v:.1f}" for v in r["all_faces_per_s"])),
-    ("DB writes s (share)", lambda r: f"{r['write_seconds']:.2f} ({r['write_seconds'] / r['seconds']:.0%})"
-     if r["path"] == "import" else "—"),
     ("client CPU ms/image", lambda r: f"{1000 * r['cpu_seconds'] / r['images']:.1f}"),
     ("statuses", lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())) or "—"))
 
