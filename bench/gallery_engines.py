@@ -12,8 +12,8 @@ import importlib
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,21 +47,6 @@ def release_free_memory() -> None:
     gc.collect()
     with suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-@dataclass
-class MemoryProbe:
-    """Resident-set growth across a block."""
-
-    retained: int = 0
-
-    @contextmanager
-    def measure(self) -> Iterator[MemoryProbe]:
-        release_free_memory()
-        before = status_kib("VmRSS")
-        yield self
-        release_free_memory()
-        self.retained = (status_kib("VmRSS") - before) * 1024
 
 
 @dataclass
@@ -151,9 +136,8 @@ def measure(search: Search, truth: Truth, row: Row) -> None:
 Vectors = NDArray[np.float32]
 
 
-def _snapshot(index: FaceIndex, config: IndexConfig, truth: Truth, row: Row) -> None:
-    """Save, free, load back (timed), and check the loaded index answers as the saved one did."""
-    expected = index.search(truth.genuine[:16], K)[1]
+def _snapshot(index: FaceIndex, config: IndexConfig, row: Row) -> None:
+    """Save, free and load back (timed)."""
     with tempfile.TemporaryDirectory(prefix="bench-gallery-") as folder:
         path = Path(folder) / "index.faiss"
         index.save(path, seq=0)
@@ -161,21 +145,19 @@ def _snapshot(index: FaceIndex, config: IndexConfig, truth: Truth, row: Row) -> 
         del index
         release_free_memory()
         began = time.perf_counter()
-        loaded, _ = FaceIndex.load(path, config)
+        FaceIndex.load(path, config)
         row.load_s = time.perf_counter() - began
-    if not np.array_equal(loaded.search(truth.genuine[:16], K)[1], expected):
-        raise RuntimeError(f"{row.label}: the loaded snapshot answers differently from the saved index")
 
 
 def _faiss(vectors: Vectors, config: IndexConfig, row: Row, threshold: float) -> FaceIndex:
     ids = np.arange(len(vectors), dtype=np.int64)
-    memory = MemoryProbe()
-    with memory.measure():
-        began = time.perf_counter()
-        index = FaceIndex.build(vectors.shape[1], ids, vectors, config, identities=ids // 10,
-                                threshold=threshold)
-        row.build_s = time.perf_counter() - began
-    row.memory_bytes = memory.retained
+    release_free_memory()
+    before = status_kib("VmRSS")
+    began = time.perf_counter()
+    index = FaceIndex.build(vectors.shape[1], ids, vectors, config, identities=ids // 10, threshold=threshold)
+    row.build_s = time.perf_counter() - began
+    release_free_memory()
+    row.memory_bytes = (status_kib("VmRSS") - before) * 1024  # the resident set the index keeps
     return index
 
 
@@ -184,7 +166,7 @@ def bench_exact(vectors: Vectors, truth: Truth) -> Row:
     config = IndexConfig(exact_max=len(vectors), exact_always=len(vectors))  # exact, never timed
     index = _faiss(vectors, config, row, truth.threshold)
     measure(index.search, truth, row)
-    _snapshot(index, config, truth, row)
+    _snapshot(index, config, row)
     return row
 
 
@@ -211,7 +193,7 @@ def bench_faiss(vectors: Vectors, kind: str, truth: Truth, threshold: float) -> 
     row.build_recall_bound = measured.recall_bound
     if measured.accurate:
         measure(index.search, truth, row)
-        _snapshot(index, config, truth, row)
+        _snapshot(index, config, row)
     return row
 
 
