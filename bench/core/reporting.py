@@ -99,17 +99,12 @@ def package_version(package: str) -> str:
         return "not installed"
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def os_name() -> str:
-    release = Path("/etc/os-release")
-    if release.exists():
-        match = re.search(r'^PRETTY_NAME="?([^"\n]+)"?', release.read_text(), re.MULTILINE)
-        if match:
-            return f"{match.group(1)}, kernel {platform.release()}"
-    return platform.platform()
+    try:
+        name = platform.freedesktop_os_release()["PRETTY_NAME"]
+    except (OSError, KeyError):
+        return platform.platform()
+    return f"{name}, kernel {platform.release()}"
 
 
 #: ``/proc/cpuinfo`` flags that decide how fast the networks (bf16) and FAISS's scans run
@@ -124,24 +119,15 @@ def cpu_identity(cpuinfo: str | None = None) -> str:
     from facecore.runtimes import cpu_model
 
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return cpu_model()
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     first = cpuinfo.split("\n\n", 1)[0]  # the first processor's block
-
-    def field(name: str) -> str | None:
-        found = re.search(rf"^{name}\s*:\s*(.*)$", first, re.MULTILINE)
-        return found.group(1).strip() if found else None
-
-    name, family, model = field("model name"), field("cpu family"), field("model")
-    if name is None:
+    info = dict(re.findall(r"^(.+?)\s*:\s*(.*)$", first, re.MULTILINE))
+    if "model name" not in info:
         return cpu_model()
-    flags = set((field("flags") or "").split())
-    numbers = f"family {family}, model {model}" if family and model else ""
+    flags = set(info.get("flags", "").split())
     features = ", ".join(label for flag, label in CPU_FEATURES if flag in flags)
-    details = "; ".join(part for part in (numbers, features) if part)
-    return f"{name} ({details})" if details else name
+    numbers = f"family {info.get('cpu family')}, model {info.get('model')}"
+    return f"{info['model name']} ({'; '.join(filter(None, (numbers, features)))})"
 
 
 def _hardware() -> str:
@@ -151,12 +137,11 @@ def _hardware() -> str:
 
     from gallery.engines.index import gpu_available
 
-    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
-    total = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.MULTILINE)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpus = faiss.get_num_gpus() if gpu_available() else 0
     return (f"{cpu_identity()}, "
-            f"{os.cpu_count()} cores ({usable_cores()} usable), "
-            f"{int(total.group(1)) / 2**20 if total else float('nan'):.1f} GiB RAM, {platform.system()}; "
+            f"{os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), "
+            f"{memory:.1f} GiB RAM, {platform.system()}; "
             f"faiss {faiss.__version__} ({faiss.get_compile_options().strip()}; "
             f"{faiss.omp_get_max_threads()} OpenMP threads), "
             f"numpy {np.__version__}; "
