@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.ceiling import STAGES, best
-from bench.core.reporting import cli, fmt, markdown_table, table, write_section
+from bench.core.reporting import cli, markdown_table, table, write_section
 from bench.latency import PairedLatency
 from bench.results import (
     HIGH_CONCURRENCY,
@@ -243,16 +243,7 @@ LOAD = (("target", "{0.target}"), ("photo", "{0.photo}"), ("concurrency", "{0.co
         ("p99 ms", "{0.p99_ms:.0f}"), ("errors", "{0.errors}"),
         ("CPU ms per request", lambda r: _by_process({"client": r.client_cpu_ms, **r.cpu_ms,
                                                       "total": r.cpu_ms_total}, 1)),
-        ("the Triton tree's CPU ms per request", lambda r: _by_process(
-            {k.split(": ", 1)[-1]: v for k, v in r.cpu_detail_ms.items()}, 1) or "—"),
         ("PSS MiB at the end", lambda r: _by_process(r.rss_mib, 0)))
-STATS = (("target", "{0.target}"), ("photo", "{0.photo}"), ("concurrency", "{0.concurrency}"),
-         ("model", "{1}"),
-         ("avg batch (items per execution)", "{2[avg_batch]:.2f}"), ("queue ms per request",
-          "{2[queue_ms_per_request]:.1f}"), ("request ms", "{2[request_ms]:.1f}"),
-         ("compute ms per execution", "{2[compute_ms_per_exec]:.1f}"), ("compute ms per item",
-          "{2[compute_ms_per_item]:.1f}"),
-         ("outside the networks ms per image", lambda x: fmt(x[2].get("outside_models_ms_per_image"), 1)))
 HOLD = (("photo", "{0.photo}"), ("concurrency: best / high", "{0.best_concurrency} / {0.high_concurrency}"),
         ("window s", "{0.seconds:g}"), ("images/s at the best, per round", lambda c: _joined(c.best, ".1f")),
         ("images/s at the high, per round", lambda c: _joined(c.high, ".1f")),
@@ -268,9 +259,7 @@ RUN = (("minutes", "{0.minutes:g}"), ("concurrency", "{0.concurrency}"), ("photo
        ("samples", lambda m: len(m.times_s)), ("requests", "{0.load.requests}"),
        ("images/s", "{0.load.throughput:.1f}"), ("errors", "{0.load.errors}"))
 FLAT = (("process", "{0}"), ("start MiB", "{1[start]:.0f}"), ("end MiB", "{1[end]:.0f}"),
-        ("min MiB", "{1[min]:.0f}"), ("max MiB", "{1[max]:.0f}"),
-        ("largest deviation %", "{1[max_deviation_pct]:.1f}"),
-        ("end vs start %", "{1[end_change_pct]:+.1f}"), ("trend MiB/min", "{1[slope_mib_per_min]:+.2f}"))
+        ("max MiB", "{1[max]:.0f}"), ("largest deviation %", "{1[max_deviation_pct]:.1f}"))
 
 
 def _joined(values: Sequence[float], spec: str) -> str:
@@ -279,11 +268,8 @@ def _joined(values: Sequence[float], spec: str) -> str:
 
 def _memory(memory: MemoryRun) -> list[str]:
     flat = [(name, memory.flatness(name)) for name in memory.rss_mib if memory.flatness(name)]
-    ends = {"Triton's processes at the end (PSS MiB)": memory.breakdown_mib,
-            "summed RSS at the end (MiB)": memory.summed_rss_mib}
     return [f"### Memory: REST identify at concurrency {memory.concurrency} for {memory.minutes:g} min",
-            table([memory], RUN), table(flat, FLAT),
-            markdown_table(["figure", "by process"], [[k, _by_process(v, 0)] for k, v in ends.items() if v])]
+            table([memory], RUN), table(flat, FLAT)]
 
 
 def header(results: Results) -> str:
@@ -311,9 +297,6 @@ def document(results: Results) -> str:
     if load:
         parts += ["### Naive baselines and our stack under load (`bench/naive.py`, `bench/stack.py`)",
                   table(load, LOAD)]
-    if results.stack:
-        stats = [(r, model, s) for r in results.stack for model, s in (r.triton or {}).items()]
-        parts += ["Triton statistics per model (deltas over each run):", table(stats, STATS)]
     if results.hold:
         parts += ["REST identify at the sweep's best concurrency and the high one, alternating "
                   "(`stack.hold_check`):", table(results.hold, HOLD)]

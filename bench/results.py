@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from bench.ceiling import Layout, PhotoCeiling, StageSplit
 from bench.core.load import LoadRow
@@ -17,6 +17,7 @@ PHOTOS = (ONE_FACE, SIX_FACES)
 C, HIGH_CONCURRENCY = 8, 16
 #: The naive baselines as the report names them -> their rows in ``Results``.
 NAIVE = {"naive served": "naive", "naive plain": "naive_plain"}
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,32 +48,32 @@ class Results:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Results:
-        """The inverse of ``to_json``; fields of parts since removed are read past."""
-        values = known(cls, data)
-        values["ceiling"] = [_ceiling(c) for c in data["ceiling"]]
+        """The inverse of ``to_json``."""
+        values = {**data, "ceiling": [_ceiling(c) for c in data["ceiling"]]}
         for name in ("naive", "naive_plain", "stack"):
-            values[name] = [LoadRow(**row) for row in data.get(name, [])]
-        values["paired_latency"] = [PairedLatency(**row) for row in data.get("paired_latency", [])]
-        values["hold"] = [HoldCheck(**row) for row in data.get("hold", [])]
-        memory = data.get("memory")
-        values["memory"] = MemoryRun(**{**memory, "load": LoadRow(**memory["load"])}) if memory else None
-        return cls(**values)
+            values[name] = [read(LoadRow, row) for row in data.get(name, [])]
+        values["paired_latency"] = [read(PairedLatency, row) for row in data.get("paired_latency", [])]
+        values["hold"] = [read(HoldCheck, row) for row in data.get("hold", [])]
+        if memory := data.get("memory"):
+            values["memory"] = read(MemoryRun, {**memory, "load": read(LoadRow, memory["load"])})
+        return read(cls, values)
+
+
+def read(cls: type[T], data: Mapping[str, Any]) -> T:
+    """``cls`` from its record in results.json: derived figures and fields since removed are read past."""
+    names = {f.name for f in fields(cast(Any, cls))}
+    return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def _ceiling(data: Mapping[str, Any]) -> PhotoCeiling:
     def sweep(values: Mapping[str, Mapping[str, float]]) -> dict[int, dict[int, float]]:
         return {int(t): {int(b): ms for b, ms in per.items()} for t, per in values.items()}
 
-    return PhotoCeiling(**{**known(PhotoCeiling, data),
-                           "input_size": tuple(data["input_size"]), "detector_ms": sweep(data["detector_ms"]),
-                           "embedder_ms": sweep(data["embedder_ms"]),
-                           "splits": [StageSplit(**s) for s in data["splits"]],
-                           "layouts": [Layout(**lay) for lay in data["layouts"]]})
-
-
-def known(cls: Any, data: Mapping[str, Any]) -> dict[str, Any]:
-    """The items of ``data`` that are fields of ``cls``: derived figures and removed ones are read past."""
-    return {k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}
+    return read(PhotoCeiling, {
+        **data, "input_size": tuple(data["input_size"]),
+        "detector_ms": sweep(data["detector_ms"]), "embedder_ms": sweep(data["embedder_ms"]),
+        "splits": [read(StageSplit, s) for s in data["splits"]],
+        "layouts": [read(Layout, lay) for lay in data["layouts"]]})
 
 
 def find(rows: Sequence[LoadRow], target: str, photo: str, concurrency: int) -> LoadRow | None:

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -175,23 +175,16 @@ class MemoryRun:
     rss_mib: dict[str, list[float]]  # PSS per watched process (tree), one value per sample
     load: LoadRow
     warmup_s: float = 0.0
-    breakdown_mib: dict[str, float] = field(default_factory=dict)  # the Triton tree's processes at the end
-    summed_rss_mib: dict[str, float] = field(default_factory=dict)  # per watched tree at the end
     shapes: int = 1  # sizes of the photo the requests sent in turn
 
     def flatness(self, name: str) -> dict[str, float]:
-        """Start, end, min, max (MiB), the largest and the end's deviation from the start (%), the slope."""
+        """Start, end and max (MiB), and the largest deviation from the start (%)."""
         values = np.asarray(self.rss_mib[name], dtype=np.float64)
         if values.size == 0:
             return {}
         start = float(values[0])
-        times = np.asarray(self.times_s, dtype=np.float64)
-        slope = float(np.polyfit(times / 60, values, 1)[0]) if values.size > 2 else 0.0
-        return {"start": start, "end": float(values[-1]), "min": float(values.min()),
-                "max": float(values.max()),
-                "max_deviation_pct": float(np.abs(values - start).max() / start * 100) if start else 0.0,
-                "end_change_pct": float((values[-1] - start) / start * 100) if start else 0.0,
-                "slope_mib_per_min": slope}
+        return {"start": start, "end": float(values[-1]), "max": float(values.max()),
+                "max_deviation_pct": float(np.abs(values - start).max() / start * 100) if start else 0.0}
 
 
 #: Every detector input shape with the longer side at 640 (the shorter 64 to 640, both orientations): what
@@ -220,9 +213,6 @@ def memory_run(stack: Stack, name: str, data: bytes, minutes: float, concurrency
         with processes.RssSampler(stack.watched(), interval) as sampler:
             row = run_load(f"{REST} (memory run)", name, sender, concurrency, minutes * 60, stack.watched(),
                            stack.triton_grpc)
-    breakdown = {f"{processes.process_label(pid)} [{pid}]": processes.resident_bytes([pid]) / MIB
-                 for pid in processes.process_tree(stack.triton_pid)}
-    summed_rss = {w.name: processes.rss_bytes(w.pids()) / MIB for w in stack.watched()}
     return MemoryRun(minutes, concurrency, interval, [t for t, _ in sampler.samples],
                      {w.name: [s[w.name] / MIB for _, s in sampler.samples] for w in stack.watched()}, row,
-                     warmup, breakdown, summed_rss, len(images))
+                     warmup, len(images))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from bench.core.processes import Watched, cpu_seconds, process_label, resident_bytes
+from bench.core.processes import Watched, cpu_seconds, resident_bytes
 from bench.core.reporting import MIB
 from bench.core.triton import model_statistics, statistics_delta
 
@@ -175,8 +175,6 @@ class LoadRow:
     p99_ms: float
     client_cpu_ms: float  # this process (the load generator), per request
     cpu_ms: dict[str, float] = field(default_factory=dict)  # per watched process (tree), per request
-    #: per process of the watched trees ("triton: stub face_detector"), per request
-    cpu_detail_ms: dict[str, float] = field(default_factory=dict)
     rss_mib: dict[str, float] = field(default_factory=dict)  # resident memory (PSS) at the end of the run
     triton: dict[str, dict[str, float]] | None = None  # statistics deltas per model
 
@@ -192,15 +190,10 @@ def run_load(target: str, photo: str, send: Callable[[], object], concurrency: i
     before_stats = model_statistics(triton_url) if triton_url else None
     pids = {w.name: w.pids() for w in watched}
     cpu_before = {name: cpu_seconds(p) for name, p in pids.items()}
-    trees = {(w.name, pid): cpu_seconds([pid]) for w in watched if w.tree for pid in pids[w.name]}
     client_before = time.process_time()
     result: LoadResult = closed_loop(send, concurrency, seconds)
     client = time.process_time() - client_before
     cpu = {name: cpu_seconds(p) - cpu_before[name] for name, p in pids.items()}
-    detail: dict[str, float] = {}
-    for (name, pid), before in trees.items():
-        key = f"{name}: {process_label(pid)}"
-        detail[key] = detail.get(key, 0.0) + cpu_seconds([pid]) - before
     stats = None
     if before_stats is not None and triton_url:
         stats = statistics_delta(before_stats, model_statistics(triton_url))
@@ -211,6 +204,5 @@ def run_load(target: str, photo: str, send: Callable[[], object], concurrency: i
         seconds=result.seconds, throughput=result.throughput, p50_ms=result.percentile(50),
         p90_ms=result.percentile(90), p99_ms=result.percentile(99), client_cpu_ms=1000 * client / done,
         cpu_ms={name: 1000 * value / done for name, value in cpu.items()},
-        cpu_detail_ms={key: 1000 * value / done for key, value in sorted(detail.items())},
         rss_mib={w.name: resident_bytes(w.pids()) / MIB for w in watched}, triton=stats,
     )

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import threading
@@ -43,17 +42,6 @@ def process_tree(root: int) -> list[int]:
             tree.append(pid)
             pending += children.get(pid, [])
     return tree
-
-
-def process_label(pid: int) -> str:
-    """``tritonserver``, ``stub face_detector`` (a Python-backend stub, by its model), or the comm."""
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return str(pid)
-    model = re.search(r"/(face_\w+)/\d+/model\.py", command)
-    return f"stub {model.group(1)}" if model else comm
 
 
 def cpu_seconds(pids: Iterable[int]) -> float:

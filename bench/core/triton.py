@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from bench.core.inputs import ARTIFACTS, REPOSITORY
 from export.defaults import prepare_default_models
@@ -46,8 +45,9 @@ _COMPUTE = ("compute_input", "compute_infer", "compute_output")
 
 
 def model_statistics(url: str, models: Sequence[str] = MODELS) -> dict[str, dict[str, float]]:
-    """Cumulative counters per model. ``request_ns`` and ``queue_ns`` add up per request (a request in a
-    batch of 4 counts the whole execution); ``exec_compute_ns`` per execution: the time really computing."""
+    """Cumulative counters per model: items, successful requests, ``request_ns`` (summed per request: a
+    request in a batch of 4 counts the whole execution) and ``exec_compute_ns`` (per execution: the time
+    really computing)."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -55,19 +55,13 @@ def model_statistics(url: str, models: Sequence[str] = MODELS) -> dict[str, dict
     try:
         for name in models:
             stats = client.get_inference_statistics(name, as_json=True)["model_stats"][0]
-            inference = stats["inference_stats"]
-
-            def ns(section: Mapping[str, Any], key: str) -> float:
-                return float(section.get(key, {}).get("ns", 0))
-
+            success = stats["inference_stats"].get("success", {})
             out[name] = {
                 "items": float(stats.get("inference_count", 0)),
-                "executions": float(stats.get("execution_count", 0)),
-                "requests": float(inference.get("success", {}).get("count", 0)),
-                "request_ns": ns(inference, "success"),
-                "queue_ns": ns(inference, "queue"),
-                "exec_compute_ns": sum(ns(batch, k) for batch in stats.get("batch_stats", [])
-                                       for k in _COMPUTE),
+                "requests": float(success.get("count", 0)),
+                "request_ns": float(success.get("ns", 0)),
+                "exec_compute_ns": sum(float(batch.get(k, {}).get("ns", 0))
+                                       for batch in stats.get("batch_stats", []) for k in _COMPUTE),
             }
     finally:
         client.close()
@@ -76,26 +70,13 @@ def model_statistics(url: str, models: Sequence[str] = MODELS) -> dict[str, dict
 
 def statistics_delta(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
                      ) -> dict[str, dict[str, float]]:
-    """Per model over the interval: average batch, queue and request time per request, compute time per
-    execution and per item; for ``face_pipeline`` in the BLS layout, its time outside the two networks
-    per image (its compute time minus the networks' request times its calls waited for)."""
+    """Each model's counters over the interval; for ``face_pipeline`` in the BLS layout also its time
+    outside the two networks per image: its compute time minus the networks' request times its calls
+    waited for. In the in_process layout the two models are never called: no split then."""
     d = {name: {k: after[name][k] - before[name].get(k, 0.0) for k in after[name]} for name in after}
-    rows: dict[str, dict[str, float]] = {}
-    for name, v in d.items():
-        executions, requests, items = max(v["executions"], 1.0), max(v["requests"], 1.0), max(v["items"], 1.0)
-        rows[name] = {
-            "items": v["items"], "executions": v["executions"], "requests": v["requests"],
-            "avg_batch": v["items"] / executions,
-            "queue_ms_per_request": v["queue_ns"] / requests / 1e6,
-            "request_ms": v["request_ns"] / requests / 1e6,
-            "compute_ms_per_exec": v["exec_compute_ns"] / executions / 1e6,
-            "compute_ms_per_item": v["exec_compute_ns"] / items / 1e6,
-        }
-    networks_called = {"face_detector", "face_embedder"} <= d.keys() and (
-        d["face_detector"]["requests"] + d["face_embedder"]["requests"] > 0)  # not in the in_process layout
-    if "face_pipeline" in d and networks_called:
-        pipeline, det, emb = d["face_pipeline"], d["face_detector"], d["face_embedder"]
-        images = max(pipeline["items"], 1.0)
-        rows["face_pipeline"]["outside_models_ms_per_image"] = (
-            pipeline["exec_compute_ns"] - det["request_ns"] - emb["request_ns"]) / images / 1e6
-    return rows
+    det, emb = d.get("face_detector"), d.get("face_embedder")
+    if "face_pipeline" in d and det and emb and det["requests"] + emb["requests"] > 0:
+        pipeline = d["face_pipeline"]
+        outside_ns = pipeline["exec_compute_ns"] - det["request_ns"] - emb["request_ns"]
+        pipeline["outside_models_ms_per_image"] = outside_ns / max(pipeline["items"], 1.0) / 1e6
+    return d
