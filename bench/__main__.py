@@ -229,7 +229,7 @@ def _start(r: Run, servers: ExitStack, naive_apps: ExitStack, repository: Path) 
             why = f"the stack did not start: {type(exc).__name__}: {exc}"
             r.results.errors |= dict.fromkeys(needing, why)
     for variant in naive.VARIANTS if "naive" not in r.plan.skip else ():
-        models = naive.variant_models(r.models, r.plain, variant)
+        models = r.plain if variant == naive.PLAIN else r.models
         if models is None:  # the plain models failed: reported already
             continue
         try:

@@ -101,13 +101,12 @@ async def prepare_images(client: AsyncPipelineClient, photos: dict[str, Path],
     return paths
 
 
-async def face_counts(client: AsyncPipelineClient, payloads: Sequence[bytes], concurrency: int,
-                      crops: bool = True) -> list[int]:
+async def face_counts(client: AsyncPipelineClient, payloads: Sequence[bytes], concurrency: int) -> list[int]:
     slots = asyncio.Semaphore(concurrency)
 
     async def one(data: bytes) -> int:
-        async with slots:
-            return len(await client.infer(data, return_crops=crops))
+        async with slots:  # with the crops, as the importer asks for them
+            return len(await client.infer(data, return_crops=True))
 
     return list(await asyncio.gather(*(one(data) for data in payloads)))
 

@@ -40,12 +40,6 @@ class PairedLatency:
     def p50_ms(self, target: str) -> float:
         return {GRPC: self.grpc_ms, REST: self.rest_ms}[target]
 
-    def ratio(self, target: str) -> float:  # the target's: the medians' ratio
-        return self.p50_ms(target) / self.ceiling_ms
-
-    def paired(self, target: str) -> float:
-        return {GRPC: self.grpc_paired, REST: self.rest_paired}[target]
-
 
 def alternate(calls: Mapping[str, Callable[[], object]], rounds: int, pause_s: float = PAUSE_S,
               warmup: int = WARMUP) -> dict[str, list[float]]:

@@ -135,17 +135,11 @@ def target_name(threads: int, variant: str = SERVED) -> str:
     return f"naive {variant} /embed, {threads} intra-op thread{'s' if threads != 1 else ''}"
 
 
-def variant_models(models: ServedModels, plain_models: ServedModels | None, variant: str
-                   ) -> ServedModels | None:
-    """What a variant runs: the served models or the plain ones (None: not had)."""
-    return plain_models if variant == PLAIN else models
-
-
 @contextmanager
 def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
                  log_file: Path = ARTIFACTS / "bench-naive.log") -> Iterator[NaiveServer]:
     """uvicorn serving ``bench.naive_app:app`` on a free port (one worker process). ``models``: what the
-    variant runs (``variant_models``)."""
+    variant runs (the served models, or ``prepare``'s plain ones)."""
     port = free_port()
     env = {**os.environ, "NAIVE_SETTINGS": json.dumps(models.settings.to_parameters()),
            "NAIVE_DETECTOR_ONNX": str(models.detector_file), "NAIVE_EMBEDDER_ONNX": str(models.embedder_file),

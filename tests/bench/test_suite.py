@@ -129,8 +129,9 @@ def test_the_naive_app_runs_every_variant(tmp_path: Path, photos: dict[str, Path
     plain_models = naive.prepare(models, data, tmp_path / "sface.prelu.onnx").models
     log_file = tmp_path / "naive.log"
     with ExitStack() as stack:
-        servers = [stack.enter_context(naive.naive_server(naive.variant_models(models, plain_models, v), 1, v,
-                                                          log_file)) for v in naive.VARIANTS]
+        variants = {naive.SERVED: models, naive.PLAIN: plain_models}
+        servers = [stack.enter_context(naive.naive_server(variants[v], 1, v, log_file))
+                   for v in naive.VARIANTS]
         health = {s.variant: s.health or {} for s in servers}
         assert health["served"]["dynamic_input"] and health["served"]["embedder_prelu_nodes"] == 0
         assert health["served"]["detector_runtime"] == "openvino:" + exported_precisions["detector"]
