@@ -14,6 +14,7 @@ fitted to them (issue 40's targets; results in docs/benchmarks/calibration.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import time
@@ -107,11 +108,10 @@ def _faces(client: PipelineClient, path: Path, noses: list[tuple[int, int]] | No
 
 @dataclass(frozen=True)
 class Generator:
-    """Faces as unit vectors: an identity's centre is the real faces' mean (scaled) plus a Gaussian in
-    their principal directions (scaled), isotropic noise, and the direction of its group (a group: people
-    who look alike, a demographic; the groups are the population's, the same for every draw: strangers
-    belong to them as much as the enrolled do); each face is its centre plus isotropic noise of its own size,
-    drawn so that two faces of one person score like the real genuine pairs (mean, sd)."""
+    """Faces as unit vectors: an identity's centre is the real faces' mean (scaled), a Gaussian in their
+    principal directions (scaled), isotropic noise and the direction of its group (people who look alike;
+    the population's groups, which strangers share with the enrolled); a face is its centre plus noise of
+    its own size, so that two faces of one person score like the real genuine pairs (mean, sd)."""
 
     mean: Vectors
     axes: Vectors  # [k, d] principal directions scaled by their standard deviations
@@ -163,20 +163,18 @@ def fit_generator(faces: Vectors, labels: list[str], seed: int = 0) -> tuple[Gen
     _, singular, axes = np.linalg.svd(centred, full_matrices=False)
     scaled = (singular[:, None] * axes / np.sqrt(max(len(first) - 1, 1))).astype(np.float32)
     target, rng, best = _stats(impostor), np.random.default_rng(seed), None
-    for spread in (0.4, 0.6, 0.8):
-        for noise in (0.0, 0.05, 0.1):
-            for groups, weight in ((1, 0.0), (30, 0.5), (100, 0.7), (100, 0.9)):
-                for shrink in (0.7, 0.85, 1.0):
-                    mean = first.mean(0).astype(np.float32) * shrink
-                    shared = (mean + spread * rng.standard_normal((groups, len(scaled))) @ scaled)
-                    made = Generator(mean, scaled, spread, noise, shared.astype(np.float32), weight, genuine,
-                                     genuine_sd)
-                    strangers = made.faces(made.identities(1500, rng), rng)  # drawn apart, as in a run
-                    enrolled = made.faces(made.identities(1500, rng), rng)
-                    got = _stats((strangers @ enrolled.T).ravel())
-                    error = float(np.abs(got - target) @ np.array([1.0, 1.0, 1.0, 0.5]))
-                    if best is None or error < best[0]:
-                        best = (error, made, got)
+    grid = itertools.product((0.4, 0.6, 0.8), (0.0, 0.05, 0.1), ((1, 0.0), (30, 0.5), (100, 0.7), (100, 0.9)),
+                             (0.7, 0.85, 1.0))
+    for spread, noise, (groups, weight), shrink in grid:
+        mean = first.mean(0).astype(np.float32) * shrink
+        shared = (mean + spread * rng.standard_normal((groups, len(scaled))) @ scaled)
+        made = Generator(mean, scaled, spread, noise, shared.astype(np.float32), weight, genuine, genuine_sd)
+        strangers = made.faces(made.identities(1500, rng), rng)  # drawn apart, as in a run
+        enrolled = made.faces(made.identities(1500, rng), rng)
+        got = _stats((strangers @ enrolled.T).ravel())
+        error = float(np.abs(got - target) @ np.array([1.0, 1.0, 1.0, 0.5]))
+        if best is None or error < best[0]:
+            best = (error, made, got)
     assert best is not None
     _, chosen, got = best
     sample = chosen.faces(chosen.identities(2000, rng), rng)

@@ -281,7 +281,7 @@ def measure_photo(models: ServedModels, name: str, data: bytes, options: Ceiling
     photo."""
     settings = models.settings
     sizing = "dynamic" if settings.dynamic_input else "fixed"
-    _, size = detector_input(data, settings)
+    tensor, size = detector_input(data, settings)
     faces = len(face_crops(data, models, settings))
     result = PhotoCeiling(name, photo_label(name, data), sizing, size, faces, embedder_ms=embedder_ms,
                           variant=variant, runtime=models.runtime)
@@ -289,8 +289,7 @@ def measure_photo(models: ServedModels, name: str, data: bytes, options: Ceiling
         log.info("%s %s, %s: detector sweep and stage split with %d thread(s)", name, sizing, models.runtime,
                  threads)
         run = runner(models.detector_file, settings.detector.output_names, models.detector_choice(threads))
-        result.detector_ms[threads] = sweep(run, detector_input(data, settings)[0], options.detector_batches,
-                                            options.repeats)
+        result.detector_ms[threads] = sweep(run, tensor, options.detector_batches, options.repeats)
         result.splits.append(stage_split(models, settings, data, threads, options.split_repeats))
     for processes, threads in options.layouts:
         if threads not in result.detector_ms:

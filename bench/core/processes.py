@@ -108,12 +108,10 @@ class RssSampler:
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
-    def sample(self) -> dict[str, int]:
-        return {w.name: resident_bytes(w.pids()) for w in self.watched}
-
     def _run(self, began: float) -> None:
         while True:
-            self.samples.append((time.monotonic() - began, self.sample()))
+            sample = {w.name: resident_bytes(w.pids()) for w in self.watched}
+            self.samples.append((time.monotonic() - began, sample))
             if self._stop.wait(self.interval):
                 return
 
