@@ -18,9 +18,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
-import httpx
 import numpy as np
 
 from bench.core.inputs import ARTIFACTS, ServedModels
@@ -128,7 +126,6 @@ class NaiveServer:
     pid: int
     threads: int
     variant: str = SERVED
-    health: dict[str, Any] | None = None  # GET /health at start-up: what the app runs
 
 
 def target_name(threads: int, variant: str = SERVED) -> str:
@@ -151,8 +148,7 @@ def naive_server(models: ServedModels, threads: int, variant: str = SERVED,
     url = f"http://127.0.0.1:{port}"
     process = start_server(command, env, log_file, f"{url}/health")
     try:
-        health: dict[str, Any] = httpx.get(f"{url}/health", timeout=30).json()
-        yield NaiveServer(url, process.pid, threads, variant, health)
+        yield NaiveServer(url, process.pid, threads, variant)
     finally:
         stop_process(process)
 
@@ -165,10 +161,3 @@ def measure_once(server: NaiveServer, name: str, data: bytes, concurrency: int, 
     log.info("naive %s, %d thread(s), %s c=%d: %.1f images/s", server.variant, server.threads, name,
              concurrency, row.throughput)
     return row
-
-
-def embed(server: NaiveServer, name: str, data: bytes) -> list[dict[str, Any]]:
-    """The faces (box, score, landmarks, embedding) the app returns for one upload."""
-    with MultipartSender(f"{server.url}/embed", "image", name, data) as sender:
-        faces: list[dict[str, Any]] = json.loads(sender())["faces"]
-    return faces

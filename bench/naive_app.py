@@ -92,7 +92,7 @@ app = FastAPI(title="naive face embedding baseline", lifespan=lifespan)
 
 @app.get("/health")
 def health(request: Request) -> dict[str, Any]:
-    """What the app runs (``bench/naive.py`` checks it is what it asked for)."""
+    """What the app runs (the tests check it is what ``bench/naive.py`` asked for)."""
     models: Models = request.app.state.models
     return {"variant": models.variant, "dynamic_input": models.settings.dynamic_input,
             "embedder_prelu_nodes": models.prelu_nodes,
