@@ -314,20 +314,13 @@ def document(results: Results) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
-def write(results: Results, out: Path) -> Path:
-    """``runs/results.json`` and this run's section of ``out/README.md``; returns the README path."""
-    (out / RESULTS).parent.mkdir(parents=True, exist_ok=True)
-    (out / RESULTS).write_text(json.dumps(results.to_json(), indent=2, default=str))
-    return _section(out, document(results))
-
-
-def rerender(out: Path) -> Path:
-    """The section again from ``out/runs/results.json`` (no benchmark runs)."""
-    return _section(out, document(Results.from_json(json.loads((out / RESULTS).read_text()))))
-
-
-def _section(out: Path, text: str) -> Path:
-    write_section(readme := out / "README.md", SECTION, text)
+def write(results: Results, out: Path, record: bool = True) -> Path:
+    """This run's section of ``out/README.md`` and, with ``record``, its ``runs/results.json``; returns
+    the README path."""
+    if record:
+        (out / RESULTS).parent.mkdir(parents=True, exist_ok=True)
+        (out / RESULTS).write_text(json.dumps(results.to_json(), indent=2, default=str))
+    write_section(readme := out / "README.md", SECTION, document(results))
     return readme
 
 
@@ -335,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli("bench.report", __doc__)
     parser.add_argument("--rerender", type=Path, required=True, metavar="FOLDER",
                         help="a report folder with runs/results.json (e.g. docs/benchmarks)")
-    args = parser.parse_args(argv)
-    print(f"rewrote the `{SECTION}` section of {rerender(args.rerender)}")
+    folder = parser.parse_args(argv).rerender
+    results = Results.from_json(json.loads((folder / RESULTS).read_text()))
+    print(f"rewrote the `{SECTION}` section of {write(results, folder, record=False)}")
     return 0
 
 
