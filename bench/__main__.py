@@ -2,13 +2,13 @@
 
     python -m bench                     # the full run: ~25-30 minutes, 10 of them the memory run
     python -m bench --quick             # ~3 minutes: shorter runs, a 30 s memory run, a small gallery
-    python -m bench --seconds 20 --memory-minutes 30 --full-gallery
+    python -m bench --seconds 20 --memory-minutes 30 --gallery-sizes 100000 1000000 --gallery-dims 128 512
 
 Its parts, in this order (``--skip`` leaves some out): the in-process ceiling, alone (``bench/ceiling.py``);
 the naive baselines (``bench/naive.py``) and our stack (``bench/stack.py``) alternating at every
 concurrency; on the stack, latency at concurrency 1 paired (``bench/latency.py``), hold (the sweep's best
 concurrency against 16), enroll (``bench/enroll.py``) and memory; alone again, the gallery
-(``bench/gallery.py``, its quick sizes unless ``--full-gallery``).
+(``bench/gallery.py``, its quick sizes unless ``--gallery-sizes``).
 
 The targets, ratios and tables go to ``<out>/README.md``, the raw numbers to
 ``<out>/runs/results.json``, the gallery and enrollment sections to ``<out>/gallery.md``. A part that
@@ -67,8 +67,6 @@ def plan(args: argparse.Namespace) -> Plan:
         dims = map(str, args.gallery_dims or [128])
         gallery_args = ("--sizes", *map(str, args.gallery_sizes), "--dims", *dims, "--queries",
                         "50" if quick else "200")
-    elif args.full_gallery:
-        gallery_args = ()
     elif quick:
         gallery_args = ("--sizes", "10000", "--dims", "128", "--queries", "100")
     return Plan(
@@ -277,7 +275,6 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--memory-minutes", type=float,
                         help="memory run (default: 10; --quick: 0.5; 0: none)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks", help="report folder")
-    parser.add_argument("--full-gallery", action="store_true", help="gallery up to 1M faces (adds ~15 min)")
     parser.add_argument("--repository", type=Path, default=REPOSITORY, help="CPU model repository")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(stack.CONCURRENCY))
     parser.add_argument("--photos", nargs="+", default=list(PHOTOS), help="photos (the first one also for "
