@@ -5,12 +5,8 @@
 
 Each candidate is a full repository (written by ``export``) served by a fresh tritonserver and measured
 over gRPC with real photos: p50 at concurrency 1, p99 and throughput at concurrency 8, the peak PSS of
-Triton's tree at concurrency 16. Coordinate descent from the current default, one dimension at a time
-(the runtime, the layout, a lone request's threads, instances x threads per network, pipeline instances,
-batching and queue delays, the detector input, the decode), keeps a change when throughput at
-concurrency 8 improves beyond the noise margin, or holds within it while Triton's tree needs clearly less
-memory or a lone request is answered clearly sooner, as long as p99 at concurrency 8 stays within
-``--budget-ms`` and the memory within ``--memory-mib``. The winner is written to
+Triton's tree at concurrency 16. Coordinate descent from the current default over ``DIMENSIONS``, one at
+a time; docs/benchmarks/tuning.md says when a change is kept. The winner is written to
 ``export/tuning/cpu.json`` (the default from then on) and ``model_repository/cpu``; ``--dry-run``
 measures and reports only.
 """
@@ -174,9 +170,8 @@ def acceptable(trial: Trial, budget_ms: float, memory_mib: float = MEMORY_BUDGET
 
 
 def applies(dimension: str, tuning: ProfileTuning) -> bool:
-    """Whether a dimension changes anything for this tuning: spinning is ONNX Runtime's only. (In the
-    in_process layout the detector / embedder instances serve re-embedding, but their thread counts are
-    the ones face_pipeline's networks use: that dimension stays.)"""
+    """Whether a dimension changes anything for this tuning: spinning is ONNX Runtime's, solo threads the
+    in_process layout's (whose networks still take the detector / embedder thread counts)."""
     if dimension == "spinning":
         return tuning.runtime == "onnxruntime"
     if dimension == "solo threads":
