@@ -105,7 +105,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     metrics.watch_gallery(gallery.sizes, gallery.reselection_state)
     app.state.recognition = Recognition(pipeline, gallery, store, settings.limits.max_faces,
                                         metrics.observe_pipeline)
-    app.state.recognition_check = RecognitionCheck(pipeline, probe_image(), settings.triton.probe_interval_s)
+    app.state.recognition_check = RecognitionCheck(pipeline, probe_image(), settings.triton.probe_interval_s,
+                                                   ready=pipeline.ready)
+    metrics.watch_probe(app.state.recognition_check)
     await app.state.recognition_check.refresh()  # logs whether recognition works at start-up
     probing = asyncio.create_task(app.state.recognition_check.run())
     snapshots = asyncio.create_task(_snapshot_periodically(

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from service.admission import Admission
+    from service.readiness import RecognitionCheck
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 
@@ -63,6 +64,30 @@ class AdmissionGauges(Collector):
                                   value=self._admission.refused)
 
 
+class ProbeGauges(Collector):
+    """``facerec_triton_ready``, ``facerec_recognition_probe_ok`` and
+    ``facerec_recognition_probe_failures_total``: the gateway's background recognition check
+    (``service.readiness``), read at scrape time."""
+
+    def __init__(self, check: RecognitionCheck) -> None:
+        self._check = check
+
+    def collect(self) -> Iterable[Metric]:
+        check = self._check
+        ready = GaugeMetricFamily("facerec_triton_ready",
+                                  "1 when Triton answered that face_pipeline is ready at the gateway's last "
+                                  "recognition probe, 0 when it did not (or did not answer)")
+        if check.triton_ready is not None:
+            ready.add_metric([], float(check.triton_ready))
+        yield ready
+        yield GaugeMetricFamily("facerec_recognition_probe_ok",
+                                "1 when the last recognition probe (a real photo through face_pipeline) "
+                                "found the face and a unit embedding, else 0", value=float(check.last.ok))
+        yield CounterMetricFamily("facerec_recognition_probe_failures",
+                                  "recognition probes that failed (one every few seconds while it fails)",
+                                  value=check.failures)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -94,3 +119,7 @@ class Metrics:
                       selections: Callable[[], tuple[int, dict[str, int]]]) -> None:
         self.registry.register(GallerySizes(sizes))
         self.registry.register(GallerySelections(selections))
+
+    def watch_probe(self, check: RecognitionCheck) -> None:
+        self.registry.register(ProbeGauges(check))
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from facecore.client import AsyncPipeline
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
 PROBE_TIMEOUT_S = 4.0  # under the readiness probes' 5 s
+NOT_READY = "face_pipeline is not ready in Triton, or Triton does not answer"
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,18 @@ class TritonStatus:
 
 
 class RecognitionCheck:
+    """``ready(timeout)``, when given, asks Triton whether face_pipeline is ready before each probe, so that
+    the metrics tell "Triton not ready" (``triton_ready``) from "ready, but recognition fails"."""
+
     def __init__(self, pipeline: AsyncPipeline, image: bytes, interval_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ready: Callable[[float], Awaitable[bool]] | None = None) -> None:
         self.pipeline, self.image, self.interval_s, self.clock = pipeline, image, interval_s, clock
+        self.ready = ready
         self.last = ProbeResult(False, "not checked yet", float("-inf"))
+        #: face_pipeline's readiness at the last probe (None: not known yet, or no ``ready`` to ask)
+        self.triton_ready: bool | None = None
+        self.failures = 0  # probes that failed, for the metrics
         self._lock = asyncio.Lock()
 
     def _fresh(self, result: ProbeResult) -> bool:
@@ -50,21 +59,32 @@ class RecognitionCheck:
                 return self.last
             try:
                 async with asyncio.timeout(PROBE_TIMEOUT_S):
-                    result = await probe_async(self.pipeline, self.image)
+                    result = await self._probe()
             except TimeoutError:
                 result = ProbeResult.failed(f"no answer to the probe within {PROBE_TIMEOUT_S} s")
             except Exception as exc:  # whatever the client raised: not ready, and say why
                 result = ProbeResult.failed(f"the probe failed: {exc!r}")
             result = ProbeResult(result.ok, result.detail, self.clock())
+            self.failures += not result.ok
             if result.ok != self.last.ok:
                 log.log(logging.INFO if result.ok else logging.WARNING, "recognition probe: %s%s",
                         "ok, " if result.ok else "FAILED, ", result.detail)
             self.last = result
             return result
 
+    async def _probe(self) -> ProbeResult:
+        if self.ready is not None:
+            # half the probe's budget: a Triton that does not answer is "not ready", not a probe timeout
+            self.triton_ready = await self.ready(PROBE_TIMEOUT_S / 2)
+            if not self.triton_ready:
+                return ProbeResult.failed(NOT_READY)
+        return await probe_async(self.pipeline, self.image)
+
     def invalidate(self, detail: str) -> ProbeResult:
         """Forget a success (Triton went away); returns the failed result now cached."""
         self.last = ProbeResult(False, detail, self.clock())
+        if self.ready is not None:
+            self.triton_ready = False
         return self.last
 
     async def result(self) -> ProbeResult:

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from facecore.client import AsyncPipelineClient
 from service.deps import GalleryDep, StoreDep
-from service.readiness import RecognitionCheck, TritonStatus
+from service.readiness import NOT_READY, RecognitionCheck, TritonStatus
 from service.schemas import Liveness, Readiness
 
 router = APIRouter(tags=["health"])
@@ -48,7 +48,7 @@ async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONR
     checks = {"triton": triton, "recognition": probe.ok, "database": database, "gallery": gallery.loaded}
     details = {} if probe.ok else {"recognition": probe.detail}
     if not triton:
-        details["triton"] = "face_pipeline is not ready in Triton, or Triton does not answer"
+        details["triton"] = NOT_READY
     status = supervised() if supervised is not None else None
     if status is not None and not status.up:  # the bundled tritonserver is being restarted
         checks["triton"] = False

@@ -15,7 +15,7 @@ from facecore.contract import Faces
 from facecore.spec import ModelSpec
 from service import readiness
 from service.launcher import TritonServer
-from service.readiness import RETRY_S, RecognitionCheck
+from service.readiness import NOT_READY, RETRY_S, RecognitionCheck
 from tests.facecore.test_probe import faces
 
 if TYPE_CHECKING:
@@ -107,6 +107,35 @@ def test_a_hanging_pipeline_is_not_ready(fake: FakePipeline, monkeypatch: pytest
     fake.delay = 5.0
     result = asyncio.run(RecognitionCheck(fake, b"jpeg", interval_s=30).refresh())
     assert not result.ok and "no answer to the probe within 0.05 s" in result.detail
+
+
+def test_readiness_is_asked_before_the_probe_and_counted(fake: FakePipeline) -> None:
+    """With ``ready``, a Triton that says "not ready" fails the probe without an inference, and the check
+    tells that apart (``triton_ready``, read by the metrics) from a ready pipeline that fails."""
+    answers: list[bool] = []
+
+    async def ready(timeout: float) -> bool:
+        assert timeout < readiness.PROBE_TIMEOUT_S  # answers before the probe's own timeout
+        return answers.pop(0)
+
+    check = RecognitionCheck(fake, b"jpeg", interval_s=30, ready=ready)
+    assert check.triton_ready is None and check.failures == 0
+
+    async def scenario() -> list[tuple[bool, bool | None, int, int]]:
+        seen = []
+        for ready_now, broken in ((False, False), (True, True), (True, False)):
+            answers.append(ready_now)
+            fake.broken = broken
+            result = await check.refresh()
+            seen.append((result.ok, check.triton_ready, check.failures, fake.calls))
+        assert check.last.ok
+        check.invalidate("Triton went away")
+        return seen
+
+    assert asyncio.run(scenario()) == [(False, False, 1, 0), (False, True, 2, 1), (True, True, 2, 2)]
+    assert check.triton_ready is False
+    answers.append(False)
+    assert asyncio.run(check.refresh()).detail == NOT_READY
 
 
 @pytest.mark.triton

@@ -1,0 +1,46 @@
+"""``service.metrics``: the collectors of the gateway's state, parsed as Prometheus parses them. The
+gateway's request metrics are in tests/service/test_api_ops.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from facecore.probe import ProbeResult
+from service.metrics import Metrics
+
+
+def scrape(metrics: Metrics) -> dict[str, float]:
+    """The samples without labels, by name, as a scrape reads them."""
+    text = generate_latest(metrics.registry).decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
+
+
+@dataclass
+class Check:
+    """What ``ProbeGauges`` reads of a ``RecognitionCheck``."""
+
+    triton_ready: bool | None
+    last: ProbeResult
+    failures: int
+
+
+def test_probe_gauges_follow_the_recognition_check() -> None:
+    metrics = Metrics()
+    check = Check(None, ProbeResult(False, "not checked yet", float("-inf")), 0)
+    metrics.watch_probe(check)  # type: ignore[arg-type]
+    found = scrape(metrics)
+    assert "facerec_triton_ready" not in found, "unknown before the first probe: no sample, not a 0"
+    assert found["facerec_recognition_probe_ok"] == 0
+    assert found["facerec_recognition_probe_failures_total"] == 0
+    check.triton_ready, check.last = True, ProbeResult(True, "1 face", 1.0)
+    found = scrape(metrics)
+    assert (found["facerec_triton_ready"], found["facerec_recognition_probe_ok"]) == (1, 1)
+    check.triton_ready, check.last, check.failures = False, ProbeResult(False, "not ready", 2.0), 3
+    found = scrape(metrics)
+    assert (found["facerec_triton_ready"], found["facerec_recognition_probe_ok"]) == (0, 0)
+    assert found["facerec_recognition_probe_failures_total"] == 3
+
