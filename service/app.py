@@ -103,6 +103,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     keys.start_watch(settings.gallery.follow_interval_s)
     metrics: Metrics = app.state.metrics
     metrics.watch_gallery(gallery.sizes, gallery.reselection_state)
+    metrics.watch_changelog(store.last_seq, lambda: gallery.applied_seq)
     app.state.recognition = Recognition(pipeline, gallery, store, settings.limits.max_faces,
                                         metrics.observe_pipeline)
     app.state.recognition_check = RecognitionCheck(pipeline, probe_image(), settings.triton.probe_interval_s,
@@ -123,6 +124,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 await task
         gallery.close()
         keys.stop_watch()
+        metrics.close()
         await asyncio.to_thread(gallery.snapshot)
         await pipeline.close()
         engine.dispose()

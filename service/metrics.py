@@ -9,11 +9,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from facecore.periodic import Periodic
+
 if TYPE_CHECKING:
     from service.admission import Admission
     from service.readiness import RecognitionCheck
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
+#: How often the database's change-log head is read for ``facerec_gallery_changelog_head``: a few times per
+#: scrape (15 s), and far less often than the follower polls (it asks only whether something is new).
+HEAD_INTERVAL_S = 5.0
 
 
 class GallerySizes(Collector):
@@ -88,6 +93,37 @@ class ProbeGauges(Collector):
                                   value=check.failures)
 
 
+class ChangeLogPositions(Collector):
+    """``facerec_gallery_changelog_head``: the newest change in the database's change log, read by a thread of
+    its own every ``HEAD_INTERVAL_S`` (a scrape never waits for the database, and a follower stuck behind a
+    lock does not stop it); ``facerec_gallery_changelog_applied``: the newest change this gateway's index
+    includes. ``start``/``stop`` run the thread; ``refresh`` reads the head once."""
+
+    def __init__(self, head: Callable[[], int], applied: Callable[[], int]) -> None:
+        self._read_head, self._applied = head, applied
+        self.head: int | None = None
+        self._reader = Periodic("changelog-head", self.refresh, "reading the change log's head failed")
+
+    def refresh(self) -> None:
+        self.head = self._read_head()
+
+    def start(self, interval_s: float | None = None) -> None:
+        self._reader.start(HEAD_INTERVAL_S if interval_s is None else interval_s)
+
+    def stop(self) -> None:
+        self._reader.stop()
+
+    def collect(self) -> Iterable[Metric]:
+        head = GaugeMetricFamily("facerec_gallery_changelog_head", "position of the newest change in the "
+                                 "database's change log (face_changes.seq), as last read")
+        if self.head is not None:
+            head.add_metric([], self.head)
+        yield head
+        yield GaugeMetricFamily("facerec_gallery_changelog_applied",
+                                "position of the newest change this gateway's gallery index includes",
+                                value=self._applied())
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -103,6 +139,7 @@ class Metrics:
         self.triton_failures = Counter("facerec_triton_request_failures",
                                        "face_pipeline gRPC calls that failed or timed out",
                                        registry=self.registry)
+        self._changelog: ChangeLogPositions | None = None
 
     def observe_pipeline(self, seconds: float, faces: int | None) -> None:
         """One face_pipeline call: its latency, failed or not, and its faces (None: it failed)."""
@@ -123,3 +160,15 @@ class Metrics:
     def watch_probe(self, check: RecognitionCheck) -> None:
         self.registry.register(ProbeGauges(check))
 
+    def watch_changelog(self, head: Callable[[], int], applied: Callable[[], int],
+                        interval_s: float | None = None) -> None:
+        """Export the change log's head (``head()`` is read in a thread every ``interval_s``, by default
+        ``HEAD_INTERVAL_S``, until ``close``) beside the position the index applied."""
+        self._changelog = ChangeLogPositions(head, applied)
+        self.registry.register(self._changelog)
+        self._changelog.start(interval_s)
+
+    def close(self) -> None:
+        """Stop the thread ``watch_changelog`` started."""
+        if self._changelog is not None:
+            self._changelog.stop()

@@ -3,6 +3,8 @@ gateway's request metrics are in tests/service/test_api_ops.py."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import generate_latest
@@ -17,6 +19,13 @@ def scrape(metrics: Metrics) -> dict[str, float]:
     text = generate_latest(metrics.registry).decode()
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
             if not s.labels}
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.01)
 
 
 @dataclass
@@ -43,4 +52,32 @@ def test_probe_gauges_follow_the_recognition_check() -> None:
     found = scrape(metrics)
     assert (found["facerec_triton_ready"], found["facerec_recognition_probe_ok"]) == (0, 0)
     assert found["facerec_recognition_probe_failures_total"] == 3
+
+
+def test_changelog_head_is_read_in_a_thread_until_closed() -> None:
+    metrics = Metrics()
+    head, applied = [4], [3]
+
+    def read_head() -> int:
+        if head[0] < 0:
+            raise ConnectionError("the database went away")
+        return head[0]
+
+    metrics.watch_changelog(read_head, lambda: applied[0], interval_s=0.01)
+    try:
+        wait_until(lambda: scrape(metrics).get("facerec_gallery_changelog_head") == 4)
+        assert scrape(metrics)["facerec_gallery_changelog_applied"] == 3
+        head[0], applied[0] = 9, 9
+        wait_until(lambda: scrape(metrics).get("facerec_gallery_changelog_head") == 9)
+        assert scrape(metrics)["facerec_gallery_changelog_applied"] == 9
+        head[0] = -1  # a failed read keeps the last head (and the thread goes on)
+        time.sleep(0.05)
+        assert scrape(metrics)["facerec_gallery_changelog_head"] == 9
+        head[0] = 12
+        wait_until(lambda: scrape(metrics).get("facerec_gallery_changelog_head") == 12)
+    finally:
+        metrics.close()
+    head[0] = 20
+    time.sleep(0.05)
+    assert scrape(metrics)["facerec_gallery_changelog_head"] == 12, "the thread stopped at close"
 
