@@ -60,9 +60,10 @@ def _route_template(scope: Scope) -> str:
     return str(getattr(scope.get("route"), "path", "unmatched"))
 
 
-async def _snapshot_periodically(gallery: Gallery, interval: float, erasure_delay: float = 5.0) -> None:
+async def _snapshot_periodically(gallery: Gallery, metrics: Metrics, interval: float,
+                                 erasure_delay: float = 5.0) -> None:
     """Full snapshots every ``interval``; snapshots of collections that lost faces within seconds,
-    so that erased vectors do not linger on disk."""
+    so that erased vectors do not linger on disk. Each pass is counted, written or failed."""
     since_full = 0.0
     while True:
         await asyncio.sleep(erasure_delay)
@@ -70,11 +71,15 @@ async def _snapshot_periodically(gallery: Gallery, interval: float, erasure_dela
         try:
             if since_full >= interval:
                 since_full = 0.0
-                await asyncio.to_thread(gallery.snapshot)
+                written = await asyncio.to_thread(gallery.snapshot)
             else:
-                await asyncio.to_thread(gallery.snapshot_erasures)
+                written = await asyncio.to_thread(gallery.snapshot_erasures)
         except Exception:  # a failed snapshot only costs a longer replay at the next start
+            metrics.snapshot_failures.inc()
             log.exception("gallery snapshot failed")
+        else:
+            if written:
+                metrics.snapshots.inc()
 
 
 def _warn_keyless(settings: GatewaySettings) -> None:
@@ -112,7 +117,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await app.state.recognition_check.refresh()  # logs whether recognition works at start-up
     probing = asyncio.create_task(app.state.recognition_check.run())
     snapshots = asyncio.create_task(_snapshot_periodically(
-        gallery, settings.gallery.snapshot_interval_s, settings.gallery.erasure_snapshot_delay_s))
+        gallery, metrics, settings.gallery.snapshot_interval_s, settings.gallery.erasure_snapshot_delay_s))
     _warn_keyless(settings)
     log.info("gateway ready: triton %s, database %s", settings.triton.url, engine.url.render_as_string())
     try:

@@ -139,6 +139,13 @@ class Metrics:
         self.triton_failures = Counter("facerec_triton_request_failures",
                                        "face_pipeline gRPC calls that failed or timed out",
                                        registry=self.registry)
+        self.snapshots = Counter("facerec_gallery_snapshots",
+                                 "gallery snapshot passes that wrote index files (the periodic full ones, "
+                                 "and those soon after deletions)", registry=self.registry)
+        self.snapshot_failures = Counter("facerec_gallery_snapshot_failures",
+                                         "gallery snapshot passes that failed (full disk, permissions): the "
+                                         "index in memory is intact, a restart replays more of the log",
+                                         registry=self.registry)
         self._changelog: ChangeLogPositions | None = None
 
     def observe_pipeline(self, seconds: float, faces: int | None) -> None:

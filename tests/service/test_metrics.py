@@ -3,14 +3,17 @@ gateway's request metrics are in tests/service/test_api_ops.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from facecore.probe import ProbeResult
+from service.app import _snapshot_periodically
 from service.metrics import Metrics
 
 
@@ -81,3 +84,36 @@ def test_changelog_head_is_read_in_a_thread_until_closed() -> None:
     time.sleep(0.05)
     assert scrape(metrics)["facerec_gallery_changelog_head"] == 12, "the thread stopped at close"
 
+
+class FlakyGallery:
+    """Erasure snapshots that fail (a full disk) until ``fail`` is cleared, then write one file each."""
+
+    def __init__(self) -> None:
+        self.fail = True
+
+    def snapshot(self) -> list[Path]:
+        raise AssertionError("no full snapshot within the test's interval")
+
+    def snapshot_erasures(self) -> list[Path]:
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        return [Path("index/1.faiss")]
+
+
+def test_snapshot_passes_are_counted_written_or_failed() -> None:
+    metrics, gallery = Metrics(), FlakyGallery()
+
+    async def scenario() -> None:
+        task = asyncio.create_task(_snapshot_periodically(gallery, metrics, 3600, 0.01))  # type: ignore[arg-type]
+        try:
+            while scrape(metrics)["facerec_gallery_snapshot_failures_total"] < 2:
+                await asyncio.sleep(0.01)
+            assert scrape(metrics)["facerec_gallery_snapshots_total"] == 0
+            gallery.fail = False
+            while scrape(metrics)["facerec_gallery_snapshots_total"] < 1:
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert scrape(metrics)["facerec_gallery_snapshot_failures_total"] >= 2
