@@ -214,7 +214,8 @@ def test_k8s_service_monitors(k8s: dict[tuple[str, str], dict[str, Any]], kubern
     kustomization = _kustomization(folder)
     assert "../" in kustomization["resources"]
     monitors = [d for d in yaml.safe_load_all((folder / "servicemonitor.yaml").read_text())]
-    assert monitors and set(kustomization["resources"]) == {"../", "servicemonitor.yaml"}
+    assert monitors
+    assert set(kustomization["resources"]) == {"../", "servicemonitor.yaml", "prometheusrule.yaml"}
     # A CRD: not in the Kubernetes schemas, so checked here field by field.
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):
         kubernetes_validate.validate(monitors[0], K8S_VERSIONS[-1], strict=True)

@@ -1,20 +1,34 @@
-"""Prometheus and Grafana: the scrape targets match compose services and ports, and every dashboard query
-names a metric that the gateway exports (service/metrics.py) or that Triton 2.51 exports. See
-tests/deploy/test_compose.py for the other deployment checks."""
+"""Prometheus, its alerting rules and Grafana: the scrape targets match compose services and ports, every
+dashboard query and every alerting rule names a metric that the gateway exports (service/metrics.py) or that
+Triton 2.51 exports, the rules pass promtool, the PrometheusRule holds the same rules, and docs/deploy.md says
+what each alert means. See tests/deploy/test_compose.py for the other deployment checks."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests import ROOT
 from tests.deploy.compose_files import port_spec, volume_mount
-from tests.deploy.helpers import DEPLOY, container_port
+from tests.deploy.helpers import DEPLOY, K8S, container_port
+from tests.deploy.monitoring import (
+    ALERT_RULES,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_RULE,
+    alert_rules,
+    dashboard,
+    grouping_labels,
+    load_yaml,
+    metric_names,
+    panel_queries,
+    variable_queries,
+)
 
 pytest_plugins = ["tests.deploy.fixtures"]
 
@@ -35,15 +49,10 @@ TRITON_METRICS: dict[str, set[str]] = {
 }
 
 
-def _prometheus() -> dict[str, Any]:
-    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    assert isinstance(config, dict)
-    return config
-
-
 def test_prometheus_scrapes_compose_services(models: dict[str, Any], app_routes: set[str]) -> None:
     services = models["gpu"]["services"]
-    jobs = {job["job_name"]: job for job in _prometheus()["scrape_configs"]}
+    config = load_yaml(PROMETHEUS_CONFIG)
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert {"triton", "gateway"} <= set(jobs)
     for name, job in jobs.items():
         for target in (t for config in job["static_configs"] for t in config["targets"]):
@@ -57,67 +66,55 @@ def test_prometheus_scrapes_compose_services(models: dict[str, Any], app_routes:
     mounts = [volume_mount(v) for v in services["prometheus"]["volumes"]]
     assert ("./deploy/prometheus/prometheus.yml", "/etc/prometheus/prometheus.yml", True) in mounts
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
+    # rule_files are relative to the configuration file: mounted beside it
+    assert config["rule_files"] == [ALERT_RULES.name]
+    assert ("./deploy/prometheus/alerts.yml", "/etc/prometheus/alerts.yml", True) in mounts
 
 
-def test_prometheus_config_with_promtool() -> None:
+def _promtool(*args: str) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
-    result = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_config_with_promtool() -> None:
+    _promtool("check", "config", str(PROMETHEUS_CONFIG))  # also reads its rule files
+
+
+def test_alert_rules_with_promtool(tmp_path: Path) -> None:
+    _promtool("check", "rules", str(ALERT_RULES))
+    operator_rules = tmp_path / "prometheusrule-groups.yml"
+    operator_rules.write_text(yaml.safe_dump(load_yaml(PROMETHEUS_RULE)["spec"]))
+    _promtool("check", "rules", str(operator_rules))
 
 
 @pytest.fixture(scope="module")
 def gateway_metrics() -> dict[str, set[str]]:
     """Sample names the gateway exports (as exposed: _total, _bucket, ...) -> their labels."""
-    from service.metrics import Metrics
+    from types import SimpleNamespace
+
+    from facecore.probe import ProbeResult
+    from service.admission import Admission
+    from service.metrics import ChangeLogPositions, Metrics
 
     metrics = Metrics()
     metrics.requests.labels("GET", "/health/live", "200").inc()
     metrics.latency.labels("GET", "/health/live").observe(0.01)
     metrics.triton_latency.observe(0.01)
     metrics.faces.observe(2)
+    metrics.watch_admission(Admission(4))
     metrics.watch_gallery(lambda: {"default": 3}, lambda: (0, {"chosen": 1, "outdated": 0, "failed": 0}))
+    metrics.watch_probe(SimpleNamespace(triton_ready=True, last=ProbeResult(True, "ok", 0.0), failures=0))
+    positions = ChangeLogPositions(lambda: 5, lambda: 5)
+    positions.refresh()  # the head is read in a thread in the gateway
+    metrics.registry.register(positions)
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         for sample in family.samples:
             names.setdefault(sample.name, set()).update(set(sample.labels) - {"le"})
     return names
-
-
-_FUNCTIONS_AND_KEYWORDS = {"sum", "avg", "max", "min", "count", "rate", "irate", "increase",
-                           "histogram_quantile", "clamp_min", "clamp_max", "by", "without", "on", "ignoring",
-                           "group_left", "group_right", "and", "or", "unless", "offset", "bool",
-                           "label_values", "topk", "bottomk"}
-
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names in a PromQL expression (label matchers, ranges, grouping and functions removed)."""
-    stripped = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\b(by|without|on|ignoring)\s*\([^)]*\)|\"[^\"]*\"", " ", expr)
-    tokens = re.findall(r"(?<![\w:$])[A-Za-z_:][\w:]*+(?!\s*\()", stripped)
-    return {t for t in tokens if t not in _FUNCTIONS_AND_KEYWORDS and not re.fullmatch(r"e\d*|\d.*", t)}
-
-
-def grouping_labels(expr: str) -> set[str]:
-    return {label.strip() for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr)
-            for label in group.split(",") if label.strip()}
-
-
-def _dashboard() -> dict[str, Any]:
-    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "facerec.json").read_text())
-    assert isinstance(dashboard, dict)
-    return dashboard
-
-
-def _queries(dashboard: dict[str, Any]) -> list[str]:
-    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
-    for variable in dashboard.get("templating", {}).get("list", []):
-        if variable["type"] == "datasource":  # its query is a datasource type, not PromQL
-            continue
-        query = variable.get("query")
-        queries.append(query["query"] if isinstance(query, dict) else str(query))
-    return queries
 
 
 def test_metric_name_check_can_fail() -> None:
@@ -129,10 +126,9 @@ def test_metric_name_check_can_fail() -> None:
 
 
 def test_dashboard_queries_use_existing_metrics(gateway_metrics: dict[str, set[str]]) -> None:
-    dashboard = _dashboard()
     known = {**gateway_metrics, **TRITON_METRICS}
     used: set[str] = set()
-    for expr in _queries(dashboard):
+    for expr in [query.expr for query in panel_queries()] + variable_queries():
         names = metric_names(expr) - {"route"}  # label_values(metric, label)
         unknown = names - set(known)
         assert not unknown, f"unknown metrics {unknown} in {expr}"
@@ -147,19 +143,19 @@ def test_dashboard_queries_use_existing_metrics(gateway_metrics: dict[str, set[s
 
 
 def test_dashboard_structure_and_provisioning(models: dict[str, Any]) -> None:
-    dashboard = _dashboard()
-    ids = [panel["id"] for panel in dashboard["panels"]]
+    board = dashboard()
+    ids = [panel["id"] for panel in board["panels"]]
     assert len(ids) == len(set(ids))
     provisioning = DEPLOY / "grafana" / "provisioning"
     datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
     source = datasources["datasources"][0]
     # every query goes through the datasource variable, so an imported copy works with any Prometheus
     # (Kubernetes users import the file into their own Grafana); compose's provisioned one is the default
-    (variable,) = (v for v in dashboard["templating"]["list"] if v["type"] == "datasource")
+    (variable,) = (v for v in board["templating"]["list"] if v["type"] == "datasource")
     assert variable["query"] == "prometheus" and source["isDefault"] is True
     chosen = {"type": "prometheus", "uid": f"${{{variable['name']}}}"}
-    assert all(v["datasource"] == chosen for v in dashboard["templating"]["list"] if "datasource" in v)
-    for panel in dashboard["panels"]:
+    assert all(v["datasource"] == chosen for v in board["templating"]["list"] if "datasource" in v)
+    for panel in board["panels"]:
         grid = panel["gridPos"]
         assert {"h", "w", "x", "y"} <= set(grid) and grid["x"] + grid["w"] <= 24
         for target in panel.get("targets", []):
@@ -172,3 +168,60 @@ def test_dashboard_structure_and_provisioning(models: dict[str, Any]) -> None:
     mounts = {mount.source: mount.target for mount in map(volume_mount, services["grafana"]["volumes"])}
     assert mounts["./deploy/grafana/dashboards"] == providers["providers"][0]["options"]["path"]
     assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+# --- alerting rules ----------------------------------------------------------------------------------------
+
+#: Labels every series carries once scraped (the target's), beside its own.
+TARGET_LABELS = {"job", "instance"}
+
+
+def test_alert_rules_use_existing_metrics(gateway_metrics: dict[str, set[str]]) -> None:
+    known = {**gateway_metrics, **TRITON_METRICS, "up": set()}
+    used: set[str] = set()
+    for rule in alert_rules():
+        names = metric_names(rule["expr"])
+        unknown = names - set(known)
+        assert not unknown, f"{rule['alert']}: unknown metrics {unknown}"
+        labels = set().union(*(known[n] for n in names)) | TARGET_LABELS | {"le"}
+        assert grouping_labels(rule["expr"]) <= labels, f"{rule['alert']}: grouping by absent labels"
+        assert set(re.findall(r"\$labels\.(\w+)", str(rule["annotations"]))) <= labels, rule["alert"]
+        used |= names
+    assert {"up", "facerec_triton_ready", "facerec_recognition_probe_ok", "facerec_http_requests_total",
+            "facerec_http_request_duration_seconds_bucket", "facerec_shed_requests_total",
+            "facerec_gallery_changelog_head", "facerec_gallery_changelog_applied",
+            "facerec_gallery_snapshot_failures_total"} <= used
+
+
+def test_alert_rules_are_named_graded_and_documented() -> None:
+    rules = alert_rules()
+    names = [rule["alert"] for rule in rules]
+    assert len(names) == len(set(names)) and all(name.startswith("Facerec") for name in names)
+    assert {"FacerecTritonDown", "FacerecTritonNotReady", "FacerecRecognitionProbeFailing",
+            "FacerecErrorRate", "FacerecLatencyAboveSLO", "FacerecLoadShedding", "FacerecFollowerLagging",
+            "FacerecSnapshotFailing"} <= set(names)
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    operations = deploy[deploy.index("\n## Operations\n"):]
+    operations = operations[:operations.find("\n## ", 1)] if "\n## " in operations[1:] else operations
+    documented = re.findall(r"^### (Facerec\w+)$", operations, flags=re.MULTILINE)
+    assert documented == names, "docs/deploy.md's Operations: one `### <alert>` per rule, in the rules' order"
+    for rule in rules:
+        assert rule["labels"]["severity"] in {"critical", "warning"}, rule["alert"]
+        assert set(rule["annotations"]) == {"summary", "description", "runbook"}, rule["alert"]
+        assert rule["annotations"]["runbook"] == f"docs/deploy.md#{rule['alert'].lower()}"
+        assert re.fullmatch(r"\d+[smh]", rule.get("for", "0s")), rule["alert"]
+
+
+def test_prometheus_rule_holds_the_same_rules() -> None:
+    """The rules live once: the PrometheusRule's spec is alerts.yml's groups, and the operator's
+    kustomization applies it with the label its ServiceMonitors carry."""
+    resource = load_yaml(PROMETHEUS_RULE)
+    assert (resource["apiVersion"], resource["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert set(resource) == {"apiVersion", "kind", "metadata", "spec"}
+    assert resource["spec"] == load_yaml(ALERT_RULES), \
+        "prometheusrule.yaml's spec differs from deploy/prometheus/alerts.yml: copy its groups into it"
+    folder = K8S / "prometheus-operator"
+    assert PROMETHEUS_RULE.name in load_yaml(folder / "kustomization.yaml")["resources"]
+    monitors = list(yaml.safe_load_all((folder / "servicemonitor.yaml").read_text()))
+    releases = {monitor["metadata"]["labels"]["release"] for monitor in monitors}
+    assert releases == {resource["metadata"]["labels"]["release"]}

@@ -1,5 +1,5 @@
-"""``service.metrics``: the collectors of the gateway's state, parsed as Prometheus parses them. The
-gateway's request metrics are in tests/service/test_api_ops.py."""
+"""``service.metrics``: the collectors the alerting rules read (deploy/prometheus/alerts.yml), parsed as
+Prometheus parses them. The gateway's request metrics are in tests/service/test_api_ops.py."""
 
 from __future__ import annotations
 
