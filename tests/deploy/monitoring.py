@@ -1,5 +1,6 @@
 """The monitoring files as the tests read them: Prometheus's configuration and alerting rules, the
-PrometheusRule, the Grafana dashboard's queries, and the metric names in a PromQL expression."""
+PrometheusRule, the Grafana dashboard's queries, and the metric names in a PromQL expression. Shared by the
+static checks (tests/deploy/test_monitoring.py) and the live ones (tests/deploy/test_alerts.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Prometheus, its alerting rules and Grafana: the scrape targets match compose services and ports, every
 dashboard query and every alerting rule names a metric that the gateway exports (service/metrics.py) or that
 Triton 2.51 exports, the rules pass promtool, the PrometheusRule holds the same rules, and docs/deploy.md says
-what each alert means. See tests/deploy/test_compose.py for the other deployment checks."""
+what each alert means. tests/deploy/test_alerts.py runs them on a live stack; see tests/deploy/test_compose.py
+for the other deployment checks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """``service.metrics``: the collectors the alerting rules read (deploy/prometheus/alerts.yml), parsed as
-Prometheus parses them. The gateway's request metrics are in tests/service/test_api_ops.py."""
+Prometheus parses them. The gateway's request metrics are in tests/service/test_api_ops.py; every metric
+against a live Prometheus in tests/deploy/test_alerts.py."""
 
 from __future__ import annotations
 
