@@ -4,6 +4,10 @@ The change log says when a remembered label may be wrong: an identity's faces re
 identity), a relabel (rename, merge), a dropped collection. A read that began before such a change was
 applied is not remembered (a generation counter), so a replica shows a rename as soon as it has applied
 the log, as it does an enrolment.
+
+The replica reads labels ahead (``learn``): those of the first identities as it loads, those of new faces'
+identities and relabelled ones as it applies the log. Searches then label their answers from memory, and
+identify keeps answering while the database is down.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from gallery.store.store import Change, GalleryStore
 
 #: Identity labels remembered at most; past it the memory starts again empty.
 MAX_LABELS = 100_000
+#: Labels read at load: half the memory, so that the labels learnt next do not empty it at once.
+LOADED_LABELS = MAX_LABELS // 2
 
 Label = tuple[str, str]
 
@@ -58,13 +64,27 @@ class Labels:
         missing = identity_ids - known.keys()
         if missing:
             read = self._store.identity_labels(missing)
-            with self._lock:
-                if generation == self._generation:  # no change to labels applied meanwhile
-                    if len(self._known) + len(read) > MAX_LABELS:
-                        self._known.clear()
-                    self._known.update(read)
+            self._remember(read, generation)
             known.update(read)
         return known
+
+    def learn(self, identity_ids: AbstractSet[int] | None = None) -> None:
+        """Read and remember the labels of these identities not remembered yet (None: of the first
+        ``LOADED_LABELS`` identities)."""
+        with self._lock:
+            generation = self._generation
+            wanted = None if identity_ids is None else identity_ids - self._known.keys()
+        if wanted is None:
+            self._remember(self._store.first_identity_labels(LOADED_LABELS), generation)
+        elif wanted:
+            self._remember(self._store.identity_labels(wanted), generation)
+
+    def _remember(self, read: dict[int, Label], generation: int) -> None:
+        with self._lock:
+            if generation == self._generation:  # no change to labels applied meanwhile
+                if len(self._known) + len(read) > MAX_LABELS:
+                    self._known.clear()
+                self._known.update(read)
 
     def remembered(self, identity_ids: AbstractSet[int]) -> dict[int, Label] | None:
         """The labels of these identities if every one is remembered and the lock is free at once (the

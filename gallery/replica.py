@@ -100,6 +100,7 @@ class Replica:
             if self.engine.shared:
                 self.engine.record(self.applied)  # every collection now includes the log up to here
             self.erased.add("")  # what the engine stores of collections dropped meanwhile, snapshots unused
+            self.labels.learn()
             self.loaded = True
 
     def _open(self, info: CollectionInfo, last: int) -> tuple[CollectionEntry, int] | None:
@@ -183,6 +184,7 @@ class Replica:
         """Apply ``changes`` in order; those at or below ``engine_at`` are already in the engine."""
         by_collection: dict[int, list[Change]] = defaultdict(list)
         self.labels.forget(changes)
+        self.labels.learn({c.identity_id for c in changes if c.op in (ChangeOp.ADD, ChangeOp.RELABEL)})
         policies = {c.collection_id for c in changes if c.op is ChangeOp.POLICY}
         for change in changes:
             if change.op in (ChangeOp.RELABEL, ChangeOp.POLICY):

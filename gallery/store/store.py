@@ -25,6 +25,8 @@ from gallery.store.models import ChangeOp, Collection, Face, FaceChange, Identit
 #: Every search runs this (the labels of its candidates): built once.
 _LABELS = select(Identity.id, Identity.external_id, Identity.name).where(
     Identity.id.in_(bindparam("ids", expanding=True)))
+_FIRST_LABELS = select(Identity.id, Identity.external_id, Identity.name).order_by(Identity.id).limit(
+    bindparam("limit"))
 #: The follower's poll, built once (building a statement costs as much as running it).
 _CHANGES = (select(FaceChange.seq, FaceChange.collection_id, FaceChange.face_id, FaceChange.identity_id,
                    FaceChange.op).where(FaceChange.seq > bindparam("seq")).order_by(FaceChange.seq)
@@ -439,6 +441,10 @@ class GalleryStore:
         if not wanted:
             return {}
         return {r[0]: (r[1], r[2]) for r in self.db.fetch(_LABELS, {"ids": wanted})}
+
+    def first_identity_labels(self, limit: int) -> dict[int, tuple[str, str]]:
+        """(external_id, name) by identity id of the first ``limit`` identities (by id), of any collection."""
+        return {r[0]: (r[1], r[2]) for r in self.db.fetch(_FIRST_LABELS, {"limit": limit})}
 
     def identity_vectors(self, collection: str, external_id: str) -> NDArray[np.float32]:
         """Embeddings [N, D] of one identity's faces (for 1:1 verification)."""

@@ -270,9 +270,10 @@ def test_database_outage_and_recovery(
             api.post("/v1/collections/c/identities", json={"external_id": "new"}),
             api.delete("/v1/collections/c/identities/obama"),
             api.get("/v1/collections/c", key),  # a collection key is checked in the database
-            api.identify("c", "obama2.jpg"),
-        ):  # the index is in memory, the labels are not
+            api.identify("c", "obama2.jpg", key),  # so is it on identify
+        ):
             api.error(response, 503, "database_unavailable")
+        assert decision(api.identify("c", "obama2.jpg")) == "obama"  # the index and its labels are in memory
         ready = api.client.get("/health/ready")
         assert ready.status_code == 503 and ready.json()["checks"] == {
             "triton": True,
