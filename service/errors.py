@@ -1,7 +1,7 @@
 """One error model for the whole API: ``{"code", "message", "details"}`` with a stable ``code``.
 
 Client mistakes are 4xx, a missing dependency (Triton, the database) is 503 with Retry-After, a
-timeout 504; anything else is a logged, generic 500.
+timeout 504, the database's disk full 507; anything else is a logged, generic 500.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from facecore.client import PipelineError
 from gallery.errors import Conflict, CropsMissing, GalleryError, InvalidEmbedding, ModelMismatch, NotFound
+from gallery.store.db import storage_full
 from recognition.errors import Refused
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,13 @@ class Timeout(ApiError):
     status, code = 504, "timeout"
 
 
+class StorageFull(ApiError):
+    """The database's disk is full: nothing was written, and writes fail until an operator frees space
+    (reads and identify go on), so no Retry-After."""
+
+    status, code = 507, "storage_full"
+
+
 _GALLERY_STATUS: dict[type[GalleryError], int] = {
     NotFound: 404, Conflict: 409, InvalidEmbedding: 422, ModelMismatch: 409, CropsMissing: 409,
 }
@@ -141,7 +149,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return await api_error(request, pipeline_error(exc))
 
     @app.exception_handler(OperationalError)
-    async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
+    async def database_down(request: Request, exc: OperationalError) -> JSONResponse:
+        if storage_full(exc.orig):
+            log.error("the database's disk is full: %s", exc.orig)
+            return await api_error(request, StorageFull("the database's disk is full; nothing was written"))
         log.warning("database unavailable: %s", exc.orig)
         return error_response(503, "database_unavailable", "the database is unavailable", {},
                               {"Retry-After": str(RETRY_AFTER_S)})

@@ -102,6 +102,13 @@ def migrate(engine: Engine, revision: str = "head") -> None:
         command.upgrade(config, revision)
 
 
+def storage_full(error: BaseException | None) -> bool:
+    """Whether a driver's error says the database's disk is full (SQLite's SQLITE_FULL, PostgreSQL's
+    disk_full): the write was rolled back, and writes fail until space is freed, while reads go on."""
+    return (getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+            or getattr(error, "sqlstate", None) == "53100")
+
+
 class Database:
     """Session factories: ``read()`` for queries, ``write()`` for serialized change-log writers."""
 

@@ -1,12 +1,16 @@
 """``Database.polled``: the change-log and key-table polls that every gateway runs five times a second, on a
-pooled DB-API connection below SQLAlchemy's execution layer, on SQLite and PostgreSQL."""
+pooled DB-API connection below SQLAlchemy's execution layer, on SQLite and PostgreSQL; ``storage_full``."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import numpy as np
+import psycopg
 import pytest
 from sqlalchemy import Engine, event, exc, literal_column, select, table
 
+from gallery.store.db import storage_full
 from gallery.store.keys import _SIGNATURE, KeyRecords
 from gallery.store.store import _CHANGES, GalleryStore
 from tests.gallery.helpers import MODEL, new_faces, unit_vectors
@@ -51,3 +55,13 @@ def test_a_driver_error_is_raised_as_sqlalchemys_and_the_next_poll_works(store: 
             broken.rows()
         assert "no_such_table" in str(raised.value)
         assert store.changes_since(0) == [] and KeyRecords(store.db).signature() == (0, 0, 0)
+
+
+def test_a_full_disk_is_told_apart_from_a_database_that_is_down() -> None:
+    """``storage_full``: the gateway answers 507 ``storage_full`` for these, 503 for the others."""
+    full = sqlite3.OperationalError("database or disk is full")
+    full.sqlite_errorcode = sqlite3.SQLITE_FULL  # as sqlite3 sets it (Python 3.11+)
+    assert storage_full(full) and storage_full(psycopg.errors.DiskFull("could not extend file"))
+    locked = sqlite3.OperationalError("database is locked")
+    locked.sqlite_errorcode = sqlite3.SQLITE_BUSY
+    assert not any(storage_full(e) for e in (locked, psycopg.OperationalError("connection refused"), None))
