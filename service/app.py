@@ -130,7 +130,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gallery.close()
         keys.stop_watch()
         metrics.close()
-        await asyncio.to_thread(gallery.snapshot)
+        try:
+            await asyncio.to_thread(gallery.snapshot)
+        except Exception:  # a full disk, the database down: the next start replays more of the log
+            log.exception("the gallery snapshot at shutdown failed")
         await pipeline.close()
         engine.dispose()
 
