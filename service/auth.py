@@ -54,7 +54,7 @@ class KeyStore:
         self._generation = 0  # bumped by every forget: a lookup begun before it does not remember
         self._signature: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
-        self._watch = Periodic("key-watch", self.refresh, "key table check failed", on_error=self.forget)
+        self._watch = Periodic("key-watch", self.refresh, "key table check failed", on_error=self._unsure)
 
     def is_admin(self, presented: str) -> bool:
         """The admin key needs no database: callers check it first, on the event loop."""
@@ -95,6 +95,13 @@ class KeyStore:
             self._generation += 1
             self._known.clear()
 
+    def _unsure(self) -> None:
+        """The key table cannot be read (the database is down): the remembered keys stay valid, so identify
+        keeps answering their callers from the index in memory, and the first check that reads the table
+        again forgets them all (its signature is unknown), catching a revocation made on another replica in
+        the follower interval before the outage. No revocation can be written while the database is down."""
+        self._signature = None
+
     def refresh(self) -> bool:
         """Forget every remembered key when the key table's signature changed; True when it did."""
         signature = self.records.signature()
@@ -106,7 +113,7 @@ class KeyStore:
 
     def start_watch(self, interval_s: float) -> None:
         """Call ``refresh`` every ``interval_s`` in a daemon thread (revocations by other replicas); while
-        the database cannot be read, every remembered key is forgotten."""
+        the database cannot be read, the remembered keys stay valid (``_unsure``)."""
         self._watch.start(interval_s)
 
     def stop_watch(self) -> None:

@@ -342,7 +342,8 @@ class Liveness(BaseModel):
 
 
 class Readiness(BaseModel):
-    ready: bool
+    ready: bool = Field(description="triton, recognition and gallery pass: identify can be answered (a "
+                        "database outage is reported in checks and keeps the gateway ready: writes get 503)")
     checks: dict[str, bool] = Field(description="triton (models loaded), recognition (a real photo went "
                                     "through face_pipeline), database, gallery")
     details: dict[str, str] = Field(default_factory=dict, description="why a check failed")

@@ -34,7 +34,8 @@ async def live() -> Liveness:
 
 
 @router.get("/health/ready", response_model=Readiness,
-            summary="Triton models, recognition of a real photo, database and gallery are ready",
+            summary="Triton models, recognition of a real photo and the gallery are ready (the database is "
+                    "reported, not required once the gallery is loaded)",
             responses={503: {"model": Readiness}})
 async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONResponse:
     pipeline: AsyncPipelineClient = request.app.state.pipeline
@@ -53,7 +54,11 @@ async def ready(request: Request, store: StoreDep, gallery: GalleryDep) -> JSONR
     if status is not None and not status.up:  # the bundled tritonserver is being restarted
         checks["triton"] = False
         details["triton"] = status.detail
-    body = Readiness(ready=all(checks.values()), checks=checks, details=details)
+    if not database:  # the index and its labels are in memory: identify still answers, writes get 503
+        details["database"] = "unreachable: writes answer 503 until it is back; identify answers from memory"
+    # a gateway whose database is down still serves identify, so it stays in its load balancer's rotation
+    serving = checks["triton"] and checks["recognition"] and checks["gallery"]
+    body = Readiness(ready=serving, checks=checks, details=details)
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
 

@@ -202,10 +202,14 @@ def run_outage(outage: Outage, live_api: StartLive, photos: dict[str, bytes], st
     load.start()
     try:
         time.sleep(WARMUP_S)
+        assert all(identify_with_key(g, key, photos) == 200 for g in gateways.values())  # now remembered
         outage.begin()
         down = time.monotonic()
         if status == 503:  # a database that does not answer (a full one still reads)
             wait_for(lambda: not readiness(a)["database"], 5, "readiness reports the database down")
+            # still ready (identify answers), and a collection key seen before keeps working
+            assert httpx.get(a.base + "/health/ready", timeout=10).json()["ready"] is True
+            assert all(identify_with_key(g, key, photos) == 200 for g in gateways.values())
         time.sleep(max(0.0, down + OUTAGE_S - time.monotonic()))
         restarting = time.monotonic()  # it may answer before end() returns
         outage.end()
