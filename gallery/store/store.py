@@ -243,8 +243,7 @@ class GalleryStore:
             return [_identity_info(r) for r in rows], int(total)
 
     def external_ids(self, collection: str) -> list[str]:
-        """Every identity's external id, in creation order, in one query (the compatible APIs list them all;
-        paging with OFFSET would cost the square of the collection)."""
+        """Every identity's external id, in creation order, in one query (not pages: OFFSET costs squared)."""
         with self.db.read() as session:
             owner = collection_row(session, collection).id
             query = select(Identity.external_id).where(Identity.collection_id == owner).order_by(Identity.id)
@@ -379,13 +378,10 @@ class GalleryStore:
         return int(self.db.fetch(_LAST_SEQ)[0][0] or 0)
 
     def vectors(self, face_ids: Sequence[int], dimension: int) -> dict[int, NDArray[np.float32]]:
-        """Embeddings of the faces that still exist, by id.
-
-        What a follower applies after another process's import: thousands of consecutive ids. They are read
-        5,000 at a time by their range of ids (the rows of other faces in it left out) on a pooled DB-API
-        connection (``Polled``), and the rows' bytes converted at once (ids spread over more than twice
-        their number are read by the ids themselves): several times faster than through the ORM with a
-        vector decoded per row, so the interpreter's lock, which searches wait for, is held less."""
+        """Embeddings of the faces that still exist, by id. A follower applies thousands of consecutive ids
+        after an import: they are read 5,000 at a time by their range (spread ids by the ids themselves) on a
+        pooled DB-API connection (``Polled``), the bytes converted at once: the interpreter's lock, which
+        searches wait for, is held far less than through the ORM with a vector decoded per row."""
         wanted = np.unique(np.asarray(face_ids, np.int64))
         found: dict[int, NDArray[np.float32]] = {}
         for start in range(0, len(wanted), 5000):
@@ -401,11 +397,9 @@ class GalleryStore:
 
     def collection_vectors(self, collection_id: int, dimension: int
                            ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float32]]:
-        """Face ids, identity ids and embeddings [N, D] of a whole collection.
-
-        Read in pages of ``VECTOR_PAGE`` rows into arrays sized by a count first, so the peak is the
-        result and one page: every row at once, their bytes joined and then converted came to about three
-        times the result (at a build or a background re-selection, beside the index in use)."""
+        """Face ids, identity ids and embeddings [N, D] of a whole collection, read in pages of
+        ``VECTOR_PAGE`` rows into arrays sized by a count first: the peak is the result and one page, not
+        the three times the result of every row's bytes joined, then converted."""
         where = Face.collection_id == collection_id
         statement = select(Face.id, Face.identity_id, Face.embedding).where(where).order_by(Face.id)
         with self.db.read() as session:
