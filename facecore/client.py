@@ -73,21 +73,33 @@ def _input(name: str, array: NDArray[Any], dtype: DataType) -> grpcclient.InferI
 #: answering 503 long after Triton was back up. Reconnecting to one known server every 2 s at most costs
 #: nothing.
 MAX_RECONNECT_BACKOFF_MS = 2000
+#: Keepalive: a ping after KEEPALIVE_TIME_MS in which nothing came from Triton, and the connection closed
+#: when it is not acknowledged within KEEPALIVE_TIMEOUT_MS; its calls then fail UNAVAILABLE (the gateway's
+#: 503 with Retry-After) and free their in-flight slots. Without it (tritonclient's default is 2^31 ms), a
+#: Triton that freezes or whose host vanishes without a reset left every call waiting out its 30 s timeout.
+#: Triton must accept pings this often, with and without calls (service/launcher.py's ``keepalive_args``,
+#: deploy/), or it answers GOAWAY too_many_pings after the third.
+KEEPALIVE_TIME_MS = 2000
+KEEPALIVE_TIMEOUT_MS = 2000
 
 
 def channel_options() -> list[tuple[str, int]]:
-    """The options tritonclient's own clients open their channel with (messages up to 2 GiB, its
-    keepalive defaults), and a reconnect backoff capped at ``MAX_RECONNECT_BACKOFF_MS``."""
-    keepalive = grpcclient.KeepAliveOptions()
+    """The options of every channel to Triton: messages up to 2 GiB (as tritonclient's own clients), a
+    reconnect backoff capped at ``MAX_RECONNECT_BACKOFF_MS``, and keepalive (``KEEPALIVE_TIME_MS``)."""
     return [
         ("grpc.initial_reconnect_backoff_ms", min(1000, MAX_RECONNECT_BACKOFF_MS)),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
         ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
         ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
-        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
-        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # gRPC core waits for the ack of a ping already in flight up to this (1 minute by default), also
+        # when keepalive's own timeout is shorter: without it a frozen Triton was noticed after 60 s
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # idle channels too (no call in flight, pings without data in between): the gateway learns that
+        # Triton went away before a request has to wait for it
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -192,7 +204,7 @@ class PipelineClient:
     """Blocking client (tools, tests, benchmarks, re-embedding)."""
 
     def __init__(self, url: str, timeout_s: float | None = 30.0) -> None:
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = grpcclient.InferenceServerClient(url, channel_args=channel_options())
         # face_pipeline's calls on a channel of their own, requests serialized here (see the module's doc)
         self._channel = grpc.insecure_channel(url, options=channel_options())
         self._infer = self._channel.unary_unary(MODEL_INFER, request_serializer=None,

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from facecore.client import KEEPALIVE_TIME_MS
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODELS = ("face_detector", "face_embedder", "face_pipeline")
@@ -122,6 +124,19 @@ def http_status(url: str, timeout: float = 2.0) -> int:
         return int(exc.code)
     except (urllib.error.URLError, OSError):
         return 0
+
+
+def keepalive_args() -> list[str]:
+    """tritonserver's gRPC keepalive flags, matching the clients' (``facecore.client.channel_options``).
+
+    A gRPC server counts a ping that comes sooner than ``min-recv-ping-interval-without-data`` after the
+    previous one (5 minutes by default; 2 hours without calls unless ``permit-without-calls``) as a strike,
+    and after two strikes it closes the connection with GOAWAY too_many_pings: the clients' pings every
+    ``KEEPALIVE_TIME_MS`` must be allowed, with half of it as the limit (timers are not exact). Triton's own
+    pings, every 10 s, close the connection of a client that vanished (its calls are then cancelled)."""
+    return ["--grpc-keepalive-time=10000", "--grpc-keepalive-timeout=5000",
+            "--grpc-keepalive-permit-without-calls=1", "--grpc-http2-max-pings-without-data=0",
+            f"--grpc-http2-min-recv-ping-interval-without-data={KEEPALIVE_TIME_MS // 2}"]
 
 
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> int | None:
@@ -222,7 +237,7 @@ class TritonServer:
             "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
             "--cuda-memory-pool-byte-size=0:0",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-            "--exit-timeout-secs=5", "--log-verbose=0",
+            "--exit-timeout-secs=5", "--log-verbose=0", *keepalive_args(),
         ]
         if self.explicit:
             args.append("--model-control-mode=explicit")

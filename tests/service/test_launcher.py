@@ -9,10 +9,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
+import grpc
 import pytest
 
+from facecore.client import channel_options
 from service.launcher import TritonPorts, TritonServer, TritonStartError, http_status, stop_process
 from tests import ROOT
 from tests.conftest import free_ports
@@ -213,3 +216,35 @@ def test_the_server_dies_with_a_killed_parent(tmp_path: Path, starter: str) -> N
         parent.wait()
         if child and alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+#: Triton's defaults for what ``keepalive_args`` sets: pings without calls 2 hours apart at least.
+TRITON_DEFAULTS = ("--grpc-keepalive-permit-without-calls=0",
+                   "--grpc-http2-min-recv-ping-interval-without-data=300000")
+
+
+def test_keepalive_pings_are_welcome(cpu_repository: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle gateway channel pings every KEEPALIVE_TIME_MS; the server started with ``keepalive_args``
+    takes them all, one with Triton's defaults (the same flags given again, later ones win) answers GOAWAY
+    too_many_pings after three. Triton's gRPC core logs both with GRPC_TRACE=http_keepalive. Twenty
+    seconds: ten pings, where three strikes are enough for a GOAWAY."""
+    with ExitStack() as stack:
+        with monkeypatch.context() as env:  # for tritonserver only, not this process's gRPC
+            env.setenv("GRPC_VERBOSITY", "DEBUG")
+            env.setenv("GRPC_TRACE", "http_keepalive")
+            servers = [stack.enter_context(TritonServer(
+                cpu_repository, TritonPorts.free(), models=("face_detector",), explicit=True,
+                log_file=tmp_path / f"{name}.log", extra_args=extra)) for name, extra in
+                (("flags", ()), ("defaults", TRITON_DEFAULTS))]
+        seen: list[list[grpc.ChannelConnectivity]] = [[], []]
+        for server, states in zip(servers, seen, strict=True):
+            channel = grpc.insecure_channel(server.grpc_url, options=channel_options())
+            stack.callback(channel.close)
+            channel.subscribe(states.append, try_to_connect=True)
+            grpc.channel_ready_future(channel).result(timeout=10)
+        time.sleep(20)
+    with_flags, with_defaults = ((tmp_path / f"{name}.log").read_text() for name in ("flags", "defaults"))
+    assert with_flags.count("ping") >= 5, "the pings reached the server (and its log)"
+    assert "too_many_pings" not in with_flags and seen[0][-1] == grpc.ChannelConnectivity.READY
+    assert "too_many_pings" in with_defaults and seen[1][-1] == grpc.ChannelConnectivity.IDLE
