@@ -139,11 +139,21 @@ def keepalive_args() -> list[str]:
             f"--grpc-http2-min-recv-ping-interval-without-data={KEEPALIVE_TIME_MS // 2}"]
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it acts on SIGTERM only once continued."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] in ("T", "t")
+
+
 def stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> int | None:
-    """SIGTERM, wait up to ``timeout``, then SIGKILL its process group (started with
-    ``start_new_session=True``); returns the exit code."""
+    """SIGTERM, wait up to ``timeout`` (not at all for a stopped process), then SIGKILL its process group
+    (started with ``start_new_session=True``); returns the exit code."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
+        timeout = 0 if stopped(process.pid) else timeout
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:

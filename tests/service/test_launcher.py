@@ -16,7 +16,14 @@ import grpc
 import pytest
 
 from facecore.client import channel_options
-from service.launcher import TritonPorts, TritonServer, TritonStartError, http_status, stop_process
+from service.launcher import (
+    TritonPorts,
+    TritonServer,
+    TritonStartError,
+    http_status,
+    stop_process,
+    stopped,
+)
 from tests import ROOT
 from tests.conftest import free_ports
 from tests.service.test_supervisor import alive, wait_for
@@ -134,6 +141,17 @@ def test_stop_process_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None
     began = time.monotonic()
     assert stop_process(process, timeout=0.5) == -signal.SIGKILL
     assert time.monotonic() - began < 10
+
+
+def test_stop_process_does_not_wait_for_a_stopped_child() -> None:
+    """A stopped process (SIGSTOP, as a hung server is) acts on SIGTERM only once continued: SIGKILL at
+    once rather than after the timeout."""
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    os.kill(process.pid, signal.SIGSTOP)
+    wait_for(lambda: stopped(process.pid), 5, "the child is stopped")
+    began = time.monotonic()
+    assert stop_process(process, timeout=20) == -signal.SIGKILL
+    assert time.monotonic() - began < 2
 
 
 def test_http_status_reports_what_answers(triton: TritonServer) -> None:
