@@ -19,6 +19,7 @@ Triton image) have it as a file.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +36,9 @@ from facecore.contract import Faces
 PROBE_FILE = Path("face_pipeline") / "probe.jpg"
 #: Head-and-shoulders crop of the 512x512 astronaut (rows, columns): one face, about 90x120 pixels.
 _CROP = (slice(20, 276), slice(100, 356))
+#: How Triton's Python backend fails a request while a stub process of the model does not respond (stopped,
+#: deadlocked) — within a second, while its health endpoints go on answering ready (measured with 2.51).
+_STUB_UNHEALTHY = re.compile(r"Stub process '[^']*' is not healthy")
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,13 @@ def judge(faces: Faces, embedding_dim: int) -> ProbeResult:
     if not np.all(np.isfinite(norms)) or not np.allclose(norms, 1.0, atol=1e-3):
         return ProbeResult.failed(f"face_pipeline returned embeddings that are not unit vectors: {norms}")
     return ProbeResult(True, f"{len(faces)} face, {embedding_dim}-d embedding", time.monotonic())
+
+
+def stub_unhealthy(result: ProbeResult) -> bool:
+    """Whether the probe failed because Triton says that a stub process of its own is not healthy: Triton,
+    not the request, is at fault (the supervisor and the Triton containers' liveness check treat it as
+    Triton not answering its health check)."""
+    return not result.ok and _STUB_UNHEALTHY.search(result.detail) is not None
 
 
 def probe(client: PipelineClient, image: bytes) -> ProbeResult:

@@ -31,6 +31,9 @@ class TritonSettings(BaseModel):
     timeout_s: float = Field(30.0, gt=0, description="timeout of one face_pipeline call")
     probe_interval_s: float = Field(30.0, gt=0, description="how long the gateway's readiness reuses a "
                                     "successful probe (a real photo through face_pipeline); a failed one 1 s")
+    hang_timeout_s: float = Field(30.0, gt=0, description="python -m service kills and restarts its "
+                                  "tritonserver when it has answered neither its health check nor the "
+                                  "recognition probe for this long")
 
 
 class DatabaseSettings(BaseModel):

@@ -2,8 +2,8 @@
 
 Without ``FACEREC_SECURITY__ADMIN_KEY`` an admin key is generated once into ``data/admin_key``
 (mode 0600) and printed. With ``--triton-url`` an already running Triton (e.g. the NGC container) is
-used instead of starting the bundled one; the bundled one is restarted when it dies (with backoff; see
-service/supervisor.py), and ``/health/ready`` says so while it is down.
+used instead of starting the bundled one; the bundled one is restarted when it dies or hangs (with
+backoff; see service/supervisor.py), and ``/health/ready`` says so while it is down.
 """
 
 from __future__ import annotations
@@ -16,14 +16,20 @@ import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from facecore.probe import ProbeResult
 from facecore.settings import ROOT, GatewaySettings, load_settings
 from service.launcher import TritonPorts, TritonServer, TritonStartError
 from service.logs import configure_logging
-from service.supervisor import Supervisor
+from service.supervisor import Recognition, Supervisor
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from service.readiness import RecognitionCheck
 
 log = logging.getLogger("service")
 
@@ -43,6 +49,16 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
     """uvicorn re-raises SIGTERM after its graceful shutdown (SIGHUP it leaves to us): unwind so Triton is
     stopped too."""
     raise SystemExit(0)
+
+
+def gateway_probe(app: FastAPI) -> Recognition:
+    """The gateway's recognition probe (``RecognitionCheck.from_thread``) for the supervisor's thread; None
+    until the app's lifespan has started it."""
+    def probe(fresh: bool) -> ProbeResult | None:
+        check: RecognitionCheck | None = getattr(app.state, "recognition_check", None)
+        return None if check is None else check.from_thread(fresh)
+
+    return probe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.triton_url is None:
             server = TritonServer(args.model_repository, TritonPorts(*args.triton_ports),
                                   log_file=ROOT / "data" / "tritonserver.log")
-            supervisor = Supervisor(server)  # restarts a tritonserver that dies (service/supervisor.py)
+            # restarts a tritonserver that dies or hangs (service/supervisor.py)
+            supervisor = Supervisor(server, hang_timeout_s=settings.triton.hang_timeout_s)
             try:
                 stack.enter_context(supervisor)
             except TritonStartError as exc:
@@ -89,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(settings)
         if supervisor is not None:
             app.state.triton_status = supervisor.status  # /health/ready says when Triton is restarting
+            supervisor.recognition = gateway_probe(app)
         uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     return 0
 

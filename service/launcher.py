@@ -41,6 +41,8 @@ from facecore.client import KEEPALIVE_TIME_MS
 log = logging.getLogger(__name__)
 
 DEFAULT_MODELS = ("face_detector", "face_embedder", "face_pipeline")
+#: How long a health check may take before the server counts as not answering (``TritonServer.healthy``).
+HEALTH_TIMEOUT_S = 2.0
 #: prctl(2) option: the signal a process gets when its parent (the thread that forked it) ends.
 PR_SET_PDEATHSIG = 1
 
@@ -306,6 +308,11 @@ class TritonServer:
     def models_ready(self) -> dict[str, bool]:
         return {name: self._get(f"/v2/models/{name}/ready") == 200 for name in self.models}
 
+    def healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+        """Whether the server answers that it is ready (live, and its models loaded) within ``timeout``; a
+        stopped or deadlocked server does not answer."""
+        return http_status(f"{self.http_url}/v2/health/ready", timeout) == 200
+
     def metrics_up(self) -> bool:
         return http_status(f"http://127.0.0.1:{self.ports.metrics}/metrics") == 200
 
@@ -336,6 +343,11 @@ class TritonServer:
         code = stop_process(process, timeout) if process is not None else None
         self.reap()
         return code
+
+    def kill(self, grace: float = 5.0) -> int | None:
+        """End a hung server: SIGTERM, then SIGKILL for it and the rest of its process group (its stubs)
+        unless it exited within ``grace`` (at once when it is stopped); ``reap`` cleans up after it."""
+        return stop_process(self._process, grace) if self._process is not None else None
 
     def reap(self, timeout: float = 10.0) -> list[int]:
         """After the server exited: SIGKILL the processes left in its process group (its backend stubs,

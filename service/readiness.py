@@ -9,6 +9,7 @@ a time; concurrent readiness requests wait for it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,7 @@ class RecognitionCheck:
         self.triton_ready: bool | None = None
         self.failures = 0  # probes that failed, for the metrics
         self._lock = asyncio.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the one ``run`` runs in, for ``from_thread``
 
     def _fresh(self, result: ProbeResult) -> bool:
         age = self.clock() - result.checked_at
@@ -94,6 +96,25 @@ class RecognitionCheck:
 
     async def run(self) -> None:
         """Refresh every ``interval_s`` (every ``RETRY_S`` while failing) until cancelled."""
-        while True:
-            result = await self.refresh()
-            await asyncio.sleep(self.interval_s if result.ok else max(RETRY_S, self.interval_s / 10))
+        self.loop = asyncio.get_running_loop()
+        try:
+            while True:
+                result = await self.refresh()
+                await asyncio.sleep(self.interval_s if result.ok else max(RETRY_S, self.interval_s / 10))
+        finally:
+            self.loop = None
+
+    def from_thread(self, fresh: bool) -> ProbeResult | None:
+        """For a thread beside the event loop (the supervisor's watcher): a probe run now in the loop
+        ``run`` runs in (``fresh``), else the last result. None when there is no answer to give: ``run``
+        is not running, or the loop did not run the probe in time (the gateway, not Triton, is stuck)."""
+        loop = self.loop
+        if loop is None:
+            return None
+        if not fresh:
+            return self.last
+        try:
+            return asyncio.run_coroutine_threadsafe(self.refresh(), loop).result(PROBE_TIMEOUT_S + 1)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+            # RuntimeError: the loop closed meanwhile; cancelled: the gateway is shutting down
+            return None

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -122,26 +123,52 @@ def tritonserver_child(parent: int) -> int | None:
     return None
 
 
+@dataclass
+class LocalStack:
+    """A running ``python -m service``: its process, base URL and admin headers, and its log file."""
+
+    process: subprocess.Popen[bytes]
+    base: str
+    headers: dict[str, str]
+    log: Path
+
+
+@contextmanager
+def local_stack(repository: Path, tmp_path: Path, **env: str) -> Iterator[LocalStack]:
+    """``python -m service`` on free ports with a fresh SQLite gallery (``env``: more settings), its output
+    in ``tmp_path/service.log``; SIGTERM at the end (SIGKILL if it does not exit within a minute)."""
+    port, *triton = free_ports(4)
+    settings = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": "k" * 32,
+                "FACEREC_DATABASE__URL": f"sqlite:///{tmp_path / 'gallery.db'}",
+                "FACEREC_GALLERY__SNAPSHOT_DIR": str(tmp_path / "index"), **env}
+    command = [sys.executable, "-m", "service", "--port", str(port), "--triton-ports", *map(str, triton),
+               "--model-repository", str(repository), "--admin-key-file", str(tmp_path / "admin_key")]
+    log = tmp_path / "service.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(command, cwd=ROOT, env=settings, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            yield LocalStack(process, f"http://127.0.0.1:{port}", {"X-API-Key": "k" * 32}, log)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+
+
 def test_the_local_stack_heals_itself(cpu_repository: Path, tmp_path: Path,
                                       photo_bytes: dict[str, bytes]) -> None:
-    port, *triton = free_ports(4)
-    env = {**os.environ, "FACEREC_SECURITY__ADMIN_KEY": "k" * 32,
-           "FACEREC_DATABASE__URL": f"sqlite:///{tmp_path / 'gallery.db'}",
-           "FACEREC_GALLERY__SNAPSHOT_DIR": str(tmp_path / "index")}
-    command = [sys.executable, "-m", "service", "--port", str(port), "--triton-ports", *map(str, triton),
-               "--model-repository", str(cpu_repository), "--admin-key-file", str(tmp_path / "admin_key")]
-    output = (tmp_path / "service.log").open("w")
-    service = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
-    base, headers = f"http://127.0.0.1:{port}", {"X-API-Key": "k" * 32}
+    with local_stack(cpu_repository, tmp_path) as stack:
+        service, base, headers = stack.process, stack.base, stack.headers
 
-    def detect() -> httpx.Response:
-        return httpx.post(f"{base}/v1/detect", headers=headers, timeout=30,
-                          files={"image": ("t1.jpg", photo_bytes["t1.jpg"], "image/jpeg")})
+        def detect() -> httpx.Response:
+            return httpx.post(f"{base}/v1/detect", headers=headers, timeout=30,
+                              files={"image": ("t1.jpg", photo_bytes["t1.jpg"], "image/jpeg")})
 
-    def ready() -> httpx.Response:
-        return httpx.get(f"{base}/health/ready", timeout=10)
+        def ready() -> httpx.Response:
+            return httpx.get(f"{base}/health/ready", timeout=10)
 
-    try:
         wait_for(lambda: _status(ready) == 200, 180, "the stack is ready")
         assert len(detect().json()["faces"]) == 6
         server = tritonserver_child(service.pid)
@@ -168,15 +195,7 @@ def test_the_local_stack_heals_itself(cpu_repository: Path, tmp_path: Path,
         restarted = tritonserver_child(service.pid)
         assert restarted is not None and restarted != server
         print(f"recognition back {took:.1f} s after the SIGKILL")
-    finally:
-        service.send_signal(signal.SIGTERM)
-        try:
-            service.wait(60)
-        finally:
-            if service.poll() is None:
-                service.kill()
-            output.close()
-    log = (tmp_path / "service.log").read_text()
+    log = stack.log.read_text()
     assert "tritonserver exited with code -9" in log and "restarted and ready" in log
 
 
@@ -200,6 +219,12 @@ class SleepingServer:
     def exit_code(self) -> int | None:
         assert self.process is not None
         return self.process.poll()
+
+    def healthy(self, _timeout: float) -> bool:
+        return True
+
+    def kill(self) -> int | None:
+        return self.stop()
 
     def reap(self) -> list[int]:
         return []
