@@ -24,6 +24,7 @@ from facecore.probe import ProbeResult
 from facecore.settings import ROOT, GatewaySettings, load_settings
 from service.launcher import TritonPorts, TritonServer, TritonStartError
 from service.logs import configure_logging
+from service.metrics import TritonRestarts
 from service.supervisor import Recognition, Supervisor
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if supervisor is not None:
             app.state.triton_status = supervisor.status  # /health/ready says when Triton is restarting
             supervisor.recognition = gateway_probe(app)
+            app.state.metrics.registry.register(TritonRestarts(supervisor.restart_counts))
         uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False)
     return 0
 

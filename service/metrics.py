@@ -56,6 +56,22 @@ class GallerySelections(Collector):
         yield family
 
 
+class TritonRestarts(Collector):
+    """``facerec_triton_restarts_total{reason}``: runs of ``python -m service``'s tritonserver that the
+    supervisor ended and restarted, by reason (exited, hung), read from it at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("facerec_triton_restarts", "tritonserver runs restarted by the "
+                                     "supervisor of python -m service, by reason (exited, hung)",
+                                     labels=["reason"])
+        for reason, count in sorted(self._counts().items()):
+            family.add_metric([reason], count)
+        yield family
+
+
 class AdmissionGauges(Collector):
     """``facerec_in_flight`` and ``facerec_shed_requests_total`` of the load shedding, read at scrape time."""
 

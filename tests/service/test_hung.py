@@ -176,7 +176,7 @@ def test_a_frozen_triton_fails_calls_fast_and_is_healed(cpu_repository: Path, tm
     frozen host, it answers nothing and resets nothing). Every call fails within seconds with 503 and
     Retry-After, none is refused as ``overloaded`` (their slots are freed), readiness says why, and the
     supervisor kills the run after FACEREC_TRITON__HANG_TIMEOUT_S, removes what it left and starts another;
-    recognition resumes without a gateway restart."""
+    recognition resumes without a gateway restart, and the restart is counted as ``hung``."""
     outcomes: list[Outcome] = []
     stop = threading.Event()
     with local_stack(cpu_repository, tmp_path, FACEREC_TRITON__HANG_TIMEOUT_S="3",
@@ -220,6 +220,9 @@ def test_a_frozen_triton_fails_calls_fast_and_is_healed(cpu_repository: Path, tm
             stop.set()
             for client in clients:
                 client.join(60)
+        restarts = httpx.get(f"{base}/metrics", timeout=10).text
+        assert 'facerec_triton_restarts_total{reason="hung"} 1.0' in restarts
+        assert 'facerec_triton_restarts_total{reason="exited"} 0.0' in restarts
         assert [p for p in [server, *stubs] if alive(p)] == [], "the frozen run and its stubs were killed"
         assert shm(prefix) == [], "and its shared memory removed"
         restarted = tritonserver_child(service.pid)

@@ -194,6 +194,8 @@ def test_the_local_stack_heals_itself(cpu_repository: Path, tmp_path: Path,
         assert service.poll() is None, "the gateway itself was not restarted"
         restarted = tritonserver_child(service.pid)
         assert restarted is not None and restarted != server
+        restarts = httpx.get(f"{base}/metrics", timeout=10).text
+        assert 'facerec_triton_restarts_total{reason="exited"} 1.0' in restarts
         print(f"recognition back {took:.1f} s after the SIGKILL")
     log = stack.log.read_text()
     assert "tritonserver exited with code -9" in log and "restarted and ready" in log
