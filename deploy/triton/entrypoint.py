@@ -18,7 +18,8 @@ here touches the GPU.
    alignment) is set from the CPUs this container may use (affinity and cgroup quota), leaving two for
    Triton itself; ``FACEREC_PIPELINE_INSTANCES`` sets it (a number) or keeps the config's (``config``).
 4. **Server.** ``exec tritonserver --model-repository=/models/gpu --model-control-mode=none`` with
-   HTTP 8000, gRPC 8001 and metrics 8002; arguments given to this script are appended.
+   HTTP 8000, gRPC 8001 and metrics 8002 and the gRPC keepalive the gateway's channels need
+   (``KEEPALIVE``); arguments given to this script are appended.
 
 Environment (all optional): ``FACEREC_IMAGE_REPOSITORY`` (baked repository),
 ``FACEREC_MODEL_REPOSITORY`` (served repository), ``FACEREC_ENGINE_CACHE`` (engine volume),
@@ -51,6 +52,12 @@ SEED_MARKER = ".facerec-seed"
 PLAN = "model.plan"
 ONNX = "model.onnx"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+#: The gateway's channels ping every 2 s, also without calls (facecore/client.py): allowed here, or Triton
+#: answers GOAWAY too_many_pings; Triton's own pings notice a gateway that vanished. The flags of
+#: ``keepalive_args`` in service/launcher.py (tests/deploy/test_gpu.py compares them).
+KEEPALIVE = ("--grpc-keepalive-time=10000", "--grpc-keepalive-timeout=5000",
+             "--grpc-keepalive-permit-without-calls=1", "--grpc-http2-max-pings-without-data=0",
+             "--grpc-http2-min-recv-ping-interval-without-data=1000")
 _TRT_PLATFORM = re.compile(r'^\s*(platform:\s*"tensorrt_plan"|backend:\s*"tensorrt")\s*$', re.MULTILINE)
 _DEFAULT_FILENAME = re.compile(r'^\s*default_model_filename:\s*"([^"]+)"\s*$', re.MULTILINE)
 
@@ -311,7 +318,7 @@ def size_pipeline(repository: Path, env: Mapping[str, str], cpus: int | None = N
 def server_command(repository: Path, extra: Sequence[str], env: Mapping[str, str]) -> list[str]:
     return [env.get("FACEREC_TRITONSERVER", "tritonserver"), f"--model-repository={repository}",
             "--model-control-mode=none", f"--http-port={PORTS['http']}", f"--grpc-port={PORTS['grpc']}",
-            f"--metrics-port={PORTS['metrics']}", *extra]
+            f"--metrics-port={PORTS['metrics']}", *KEEPALIVE, *extra]
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,

@@ -23,6 +23,7 @@ from export import __main__ as cli
 from export import engine_cache, engine_check
 from export.engine_cache import engine_slots
 from facecore.probe import PROBE_FILE
+from service.launcher import keepalive_args
 from tests import ROOT
 from tests.deploy.helpers import load_module
 from tests.export.test_engine_cache import H100, L4, FakeTensorRT, trt_model
@@ -74,6 +75,17 @@ def test_every_triton_healthcheck_runs_the_recognition_probe() -> None:
     container = k8s["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["exec"]["command"] == gpu[1:]
     assert container["readinessProbe"]["timeoutSeconds"] >= 10
+
+
+def test_every_triton_image_takes_the_gateways_keepalive_pings(triton_entry: ModuleType) -> None:
+    """The flags python -m service's own tritonserver gets (service/launcher.py), in the GPU image's
+    entrypoint and the CPU image's command: without them Triton answers the gateway's pings (every 2 s,
+    also without calls) with GOAWAY too_many_pings (tests/service/test_launcher.py)."""
+    (cpu,) = dockerfile_final(DEPLOY / "cpu-triton" / "Dockerfile", "CMD")
+    gpu = triton_entry.server_command(Path("/models/gpu"), [], {})
+    for command in (cpu, gpu):
+        assert command[0] == "tritonserver"
+        assert [a for a in command if a.startswith(("--grpc-keepalive", "--grpc-http2"))] == keepalive_args()
 
 
 def test_the_probe_photo_is_in_the_repository_baked_into_each_image() -> None:
@@ -167,7 +179,8 @@ def test_entrypoint_engines_per_key_and_version(triton_entry: ModuleType, tmp_pa
     executed = start(triton_entry, tmp_path, exporter)
     assert built(exporter) == ["face_detector/1", "face_detector/2", "face_embedder/1", "face_embedder/2"]
     assert executed == [["tritonserver", f"--model-repository={served}", "--model-control-mode=none",
-                         "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--log-verbose=1"]]
+                         "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
+                         *keepalive_args(), "--log-verbose=1"]]
     command = exporter.commands[0]
     assert command[command.index("--gpu-name") + 1] == H100
     assert command[command.index("--tensorrt-version") + 1] == "10.5.0.18-1+cuda12.6"
