@@ -19,7 +19,9 @@ here touches the GPU.
    Triton itself; ``FACEREC_PIPELINE_INSTANCES`` sets it (a number) or keeps the config's (``config``).
 4. **Server.** ``exec tritonserver --model-repository=/models/gpu --model-control-mode=none`` with
    HTTP 8000, gRPC 8001 and metrics 8002 and the gRPC keepalive the gateway's channels need
-   (``KEEPALIVE``); arguments given to this script are appended.
+   (``KEEPALIVE``); arguments given to this script are appended. Its Python-backend shared memory is
+   named ``SHM_PREFIX``, and what a killed run left of it in /dev/shm is removed first (Kubernetes keeps
+   the pod's /dev/shm volume when the liveness probe restarts the container).
 
 Environment (all optional): ``FACEREC_IMAGE_REPOSITORY`` (baked repository),
 ``FACEREC_MODEL_REPOSITORY`` (served repository), ``FACEREC_ENGINE_CACHE`` (engine volume),
@@ -52,6 +54,7 @@ SEED_MARKER = ".facerec-seed"
 PLAN = "model.plan"
 ONNX = "model.onnx"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+SHM_PREFIX = "facerec_triton_"
 #: The gateway's channels ping every 2 s, also without calls (facecore/client.py): allowed here, or Triton
 #: answers GOAWAY too_many_pings; Triton's own pings notice a gateway that vanished. The flags of
 #: ``keepalive_args`` in service/launcher.py (tests/deploy/test_gpu.py compares them).
@@ -318,12 +321,23 @@ def size_pipeline(repository: Path, env: Mapping[str, str], cpus: int | None = N
 def server_command(repository: Path, extra: Sequence[str], env: Mapping[str, str]) -> list[str]:
     return [env.get("FACEREC_TRITONSERVER", "tritonserver"), f"--model-repository={repository}",
             "--model-control-mode=none", f"--http-port={PORTS['http']}", f"--grpc-port={PORTS['grpc']}",
-            f"--metrics-port={PORTS['metrics']}", *KEEPALIVE, *extra]
+            f"--metrics-port={PORTS['metrics']}",
+            f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}", *KEEPALIVE, *extra]
+
+
+def remove_leftover_shm(shm: Path) -> int:
+    """Remove the shared-memory regions a previous run of this container left (one killed as hung)."""
+    leftovers = list(shm.glob(f"{SHM_PREFIX}*"))
+    for leftover in leftovers:
+        leftover.unlink(missing_ok=True)
+    if leftovers:
+        log.info("removed %d shared-memory regions a previous run left in %s", len(leftovers), shm)
+    return len(leftovers)
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
          build: Callable[[Sequence[str]], None] = _build,
-         execute: Callable[[list[str]], object] | None = None) -> int:
+         execute: Callable[[list[str]], object] | None = None, shm: Path = Path("/dev/shm")) -> int:
     env = os.environ if env is None else env
     extra = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -332,6 +346,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         seed_repository(paths.image_repository, paths.repository)
         prepare_engines(paths, env, build)
         size_pipeline(paths.repository, env)
+        remove_leftover_shm(shm)
     except EntrypointError as exc:
         log.error("%s", exc)
         return 1

@@ -200,7 +200,7 @@ def test_gpu_and_cpu_triton(models: dict[str, Any]) -> None:
     assert cpu["image"] != gpu["image"]
     for triton in (gpu, cpu):
         assert triton["shm_size"], "the Python backend needs more than Docker's 64 MB of /dev/shm"
-        assert "facecore.probe" in triton["healthcheck"]["test"]  # more in test_gpu.py
+        assert "/opt/facerec/healthcheck.py" in triton["healthcheck"]["test"]  # more in test_gpu.py
 
 
 def test_gateway_wiring(models: dict[str, Any], gateway_entry: ModuleType) -> None:

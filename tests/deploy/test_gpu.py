@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from export import __main__ as cli
 from export import engine_cache, engine_check
 from export.engine_cache import engine_slots
 from facecore.probe import PROBE_FILE
+from facecore.settings import TritonSettings
 from service.launcher import keepalive_args
 from tests import ROOT
 from tests.deploy.helpers import load_module
@@ -53,28 +55,75 @@ def dockerfile_final(path: Path, cmd: str) -> list[list[str]]:
     return [list(c.value) for c in commands[last:] if c.cmd.upper() == cmd]
 
 
+HEALTHCHECK = "/opt/facerec/healthcheck.py"
+
+
 def probe_image_of(command: list[str]) -> str:
-    """The ``--image`` of a ``python -m facecore.probe`` command line."""
-    assert command[command.index("-m") + 1] == "facecore.probe", command
-    assert command[command.index("--url") + 1] == "127.0.0.1:8001", command
+    """The ``--image`` of a ``python3 /opt/facerec/healthcheck.py`` command line (Triton's default ports)."""
+    assert command[:2] == ["python3", HEALTHCHECK] and "--url" not in command and "--http" not in command
     return command[command.index("--image") + 1]
 
 
-def test_every_triton_healthcheck_runs_the_recognition_probe() -> None:
+def option(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)(s|m)", duration)
+    assert match, duration
+    return int(match[1]) * (60 if match[2] == "m" else 1)
+
+
+def test_every_triton_healthcheck_runs_the_recognition_probe_and_ends_a_hung_server() -> None:
+    """Compose and the images: healthy = the probe passes; a server hung as long as python -m service's
+    FACEREC_TRITON__HANG_TIMEOUT_S is killed by the check (Docker restarts exited containers only), and
+    the check runs often enough, and may take long enough, to do it on time."""
     gpu_photo, cpu_photo = f"{GPU_REPOSITORY}/{PROBE_FILE}", f"{CPU_REPOSITORY}/{PROBE_FILE}"
-    gpu = compose_service(ROOT / "docker-compose.yml", "triton")["healthcheck"]["test"]
-    cpu = compose_service(ROOT / "docker-compose.cpu.yml", "triton")["healthcheck"]["test"]
-    assert gpu[0] == cpu[0] == "CMD"
-    assert probe_image_of(gpu[1:]) == gpu_photo and probe_image_of(cpu[1:]) == cpu_photo
+    gpu = compose_service(ROOT / "docker-compose.yml", "triton")["healthcheck"]
+    cpu = compose_service(ROOT / "docker-compose.cpu.yml", "triton")["healthcheck"]
+    assert gpu["test"][0] == cpu["test"][0] == "CMD"
+    assert probe_image_of(gpu["test"][1:]) == gpu_photo and probe_image_of(cpu["test"][1:]) == cpu_photo
     (gpu_image,) = dockerfile_final(DEPLOY / "triton" / "Dockerfile", "HEALTHCHECK")
     (cpu_image,) = dockerfile_final(DEPLOY / "cpu-triton" / "Dockerfile", "HEALTHCHECK")
     assert gpu_image[0] == cpu_image[0] == "CMD"
-    assert gpu_image[1:] == gpu[1:] and cpu_image[1:] == cpu[1:], "the image and compose check the same"
-    k8s = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "triton.yaml").read_text())
-               if d["kind"] == "Deployment")
-    container = k8s["spec"]["template"]["spec"]["containers"][0]
-    assert container["readinessProbe"]["exec"]["command"] == gpu[1:]
-    assert container["readinessProbe"]["timeoutSeconds"] >= 10
+    assert gpu_image[1:] == gpu["test"][1:] and cpu_image[1:] == cpu["test"][1:], "image and compose agree"
+    hang = TritonSettings().hang_timeout_s
+    for test in (gpu["test"], cpu["test"]):
+        assert float(option(test, "--kill-hung-after")) == hang
+    interval, timeout = seconds(gpu["interval"]), seconds(gpu["timeout"])  # the CPU file keeps them
+    assert interval <= hang / 3, "a hung server is killed within an interval of the hang timeout"
+    assert timeout >= worst_check_s(), "a check against a frozen server is not cut short"
+    for image in (DEPLOY / "triton" / "Dockerfile", DEPLOY / "cpu-triton" / "Dockerfile"):
+        (copied,) = [c for c in dockerfile_final(image, "COPY") if "deploy/triton/healthcheck.py" in c[:-1]]
+        assert copied[-1] == HEALTHCHECK, image
+
+
+def worst_check_s() -> float:
+    """How long the check takes against a frozen server at most: the interpreter and its imports, the
+    probe's first call (it gives up on its first failure), the health check."""
+    health = load_module(DEPLOY / "triton" / "healthcheck.py", "facerec_triton_healthcheck")
+    return 3 + health.PROBE_TIMEOUT_S + health.HEALTH_TIMEOUT_S
+
+
+def test_kubernetes_restarts_a_hung_triton() -> None:
+    """Readiness = the probe; liveness = not hung, failing for as long as the hang timeout before the
+    restart; SIGKILL soon after (a stopped process ignores the SIGTERM); the gateway's liveness does not
+    depend on Triton (restarting gateways would not heal it)."""
+    documents = {(d["kind"], d["metadata"]["name"]): d
+                 for name in ("triton.yaml", "gateway.yaml")
+                 for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text())}
+    triton = documents[("Deployment", "triton")]["spec"]["template"]["spec"]["containers"][0]
+    readiness, liveness = triton["readinessProbe"], triton["livenessProbe"]
+    gpu = compose_service(ROOT / "docker-compose.yml", "triton")["healthcheck"]["test"]
+    assert readiness["exec"]["command"] == gpu[1:gpu.index("--kill-hung-after")]
+    assert liveness["exec"]["command"] == [*readiness["exec"]["command"], "--liveness"]
+    hang = TritonSettings().hang_timeout_s
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] == hang
+    for probe in (readiness, liveness):
+        assert probe["timeoutSeconds"] >= worst_check_s()
+    assert liveness["terminationGracePeriodSeconds"] <= 10
+    gateway = documents[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/health/live"
 
 
 def test_every_triton_image_takes_the_gateways_keepalive_pings(triton_entry: ModuleType) -> None:
@@ -86,6 +135,17 @@ def test_every_triton_image_takes_the_gateways_keepalive_pings(triton_entry: Mod
     for command in (cpu, gpu):
         assert command[0] == "tritonserver"
         assert [a for a in command if a.startswith(("--grpc-keepalive", "--grpc-http2"))] == keepalive_args()
+
+
+def test_the_entrypoint_removes_what_a_killed_run_left_in_shared_memory(
+        triton_entry: ModuleType, tmp_path: Path, exporter: Exporter) -> None:
+    image_repository(tmp_path)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("facerec_triton_1f2e3d", "facerec_triton_4c5b6a", "another_program"):
+        (shm / name).write_bytes(b"region")
+    start(triton_entry, tmp_path, exporter)
+    assert [p.name for p in shm.iterdir()] == ["another_program"]
 
 
 def test_the_probe_photo_is_in_the_repository_baked_into_each_image() -> None:
@@ -164,7 +224,7 @@ def start(entry: ModuleType, tmp: Path, exporter: Exporter, gpu: str = H100,
            "FACEREC_GPU_NAME": gpu,
            "FACEREC_TRT_VERSION": "10.5.0.18-1+cuda12.6", "FACEREC_PIPELINE_INSTANCES": "config", **extra}
     executed: list[list[str]] = []
-    assert entry.main(["--log-verbose=1"], env, exporter, executed.append) == 0
+    assert entry.main(["--log-verbose=1"], env, exporter, executed.append, tmp / "shm") == 0
     return executed
 
 
@@ -180,6 +240,7 @@ def test_entrypoint_engines_per_key_and_version(triton_entry: ModuleType, tmp_pa
     assert built(exporter) == ["face_detector/1", "face_detector/2", "face_embedder/1", "face_embedder/2"]
     assert executed == [["tritonserver", f"--model-repository={served}", "--model-control-mode=none",
                          "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
+                         "--backend-config=python,shm-region-prefix-name=facerec_triton_",
                          *keepalive_args(), "--log-verbose=1"]]
     command = exporter.commands[0]
     assert command[command.index("--gpu-name") + 1] == H100
@@ -244,7 +305,7 @@ def test_entrypoint_without_gpu(triton_entry: ModuleType, tmp_path: Path, export
            "FACEREC_MODEL_REPOSITORY": str(tmp_path / "models" / "gpu"),
            "FACEREC_ENGINE_CACHE": str(tmp_path / "e"), "FACEREC_TRT_VERSION": "10.5"}
     executed: list[list[str]] = []
-    assert triton_entry.main([], env, exporter, executed.append) == 1
+    assert triton_entry.main([], env, exporter, executed.append, tmp_path / "shm") == 1
     assert executed == [] and exporter.commands == []
 
 
@@ -257,7 +318,7 @@ def test_entrypoint_fails_when_a_plan_is_refused(triton_entry: ModuleType, tmp_p
            "FACEREC_ENGINE_CACHE": str(tmp_path / "e"), "FACEREC_GPU_NAME": H100,
            "FACEREC_TRT_VERSION": "10.5"}
     executed: list[list[str]] = []
-    assert triton_entry.main([], env, exporter, executed.append) == 1
+    assert triton_entry.main([], env, exporter, executed.append, tmp_path / "shm") == 1
     assert executed == [], "no server on plans that differ from their ONNX models"
     assert not list((tmp_path / "models" / "gpu").glob("*/*/model.plan"))
 

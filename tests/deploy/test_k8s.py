@@ -60,7 +60,7 @@ def test_k8s_schema_check_can_fail(k8s: dict[tuple[str, str], dict[str, Any]],
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
     broken = json.loads(json.dumps(k8s[("Deployment", "triton")]))
-    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["port"] = [8000]
+    broken["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["httpGet"]["port"] = [8000]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, K8S_VERSIONS[0], strict=True)
 
@@ -112,9 +112,9 @@ def test_k8s_triton(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     deployment = k8s[("Deployment", "triton")]
     container, pod = _container(deployment), _pod(deployment)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    for probe in ("startupProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"].startswith("/v2/health/")
-    assert "facecore.probe" in container["readinessProbe"]["exec"]["command"]  # see test_gpu.py
+    assert container["startupProbe"]["httpGet"]["path"].startswith("/v2/health/")
+    for probe in ("readinessProbe", "livenessProbe"):  # the recognition probe; more in test_gpu.py
+        assert "/opt/facerec/healthcheck.py" in container[probe]["exec"]["command"]
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 900, "first start: engine build"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
