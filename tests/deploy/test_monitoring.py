@@ -91,6 +91,41 @@ def test_alert_rules_with_promtool(tmp_path: Path) -> None:
     _promtool("check", "rules", str(operator_rules))
 
 
+def test_triton_restarted_rule_with_promtool(tmp_path: Path) -> None:
+    """FacerecTritonRestarted fires on one restart and stops 15 minutes later: the gateway that exports the
+    counter runs its own tritonserver, which the live stack of test_alerts.py does not, so promtool's rule
+    unit test feeds it the series a hung restart gives (`tests/service/test_hung.py` counts it for real)."""
+    series = "facerec_triton_restarts_total{job='gateway', instance='gw:8080', reason='hung'}"
+    case = {
+        "rule_files": [str(ALERT_RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            # no restart for 10 minutes, one at minute 10, none after
+            "input_series": [{"series": series, "values": "0x9 1x40"}],
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "FacerecTritonRestarted", "exp_alerts": []},
+                {"eval_time": "12m", "alertname": "FacerecTritonRestarted", "exp_alerts": [{
+                    "exp_labels": {"severity": "warning", "job": "gateway", "instance": "gw:8080",
+                                   "reason": "hung"},
+                    "exp_annotations": {key: value.replace("{{ $labels.instance }}", "gw:8080")
+                                        .replace("{{ $labels.reason }}", "hung")
+                                        for key, value in restarted_rule()["annotations"].items()},
+                }]},
+                {"eval_time": "40m", "alertname": "FacerecTritonRestarted", "exp_alerts": []},
+            ],
+        }],
+    }
+    tests = tmp_path / "restarted-test.yml"
+    tests.write_text(yaml.safe_dump(case))
+    _promtool("test", "rules", str(tests))
+
+
+def restarted_rule() -> dict[str, Any]:
+    (rule,) = (rule for rule in alert_rules() if rule["alert"] == "FacerecTritonRestarted")
+    return rule
+
+
 @pytest.fixture(scope="module")
 def gateway_metrics() -> dict[str, set[str]]:
     """Sample names the gateway exports (as exposed: _total, _bucket, ...) -> their labels."""
@@ -98,7 +133,7 @@ def gateway_metrics() -> dict[str, set[str]]:
 
     from facecore.probe import ProbeResult
     from service.admission import Admission
-    from service.metrics import ChangeLogPositions, Metrics
+    from service.metrics import ChangeLogPositions, Metrics, TritonRestarts
 
     metrics = Metrics()
     metrics.requests.labels("GET", "/health/live", "200").inc()
@@ -111,6 +146,7 @@ def gateway_metrics() -> dict[str, set[str]]:
     positions = ChangeLogPositions(lambda: 5, lambda: 5)
     positions.refresh()  # the head is read in a thread in the gateway
     metrics.registry.register(positions)
+    metrics.registry.register(TritonRestarts(lambda: {"exited": 0, "hung": 1}))  # python -m service's
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         for sample in family.samples:
@@ -191,7 +227,7 @@ def test_alert_rules_use_existing_metrics(gateway_metrics: dict[str, set[str]]) 
     assert {"up", "facerec_triton_ready", "facerec_recognition_probe_ok", "facerec_http_requests_total",
             "facerec_http_request_duration_seconds_bucket", "facerec_shed_requests_total",
             "facerec_gallery_changelog_head", "facerec_gallery_changelog_applied",
-            "facerec_gallery_snapshot_failures_total"} <= used
+            "facerec_gallery_snapshot_failures_total", "facerec_triton_restarts_total"} <= used
 
 
 def test_alert_rules_are_named_graded_and_documented() -> None:
@@ -199,8 +235,8 @@ def test_alert_rules_are_named_graded_and_documented() -> None:
     names = [rule["alert"] for rule in rules]
     assert len(names) == len(set(names)) and all(name.startswith("Facerec") for name in names)
     assert {"FacerecTritonDown", "FacerecTritonNotReady", "FacerecRecognitionProbeFailing",
-            "FacerecErrorRate", "FacerecLatencyAboveSLO", "FacerecLoadShedding", "FacerecFollowerLagging",
-            "FacerecSnapshotFailing"} <= set(names)
+            "FacerecTritonRestarted", "FacerecErrorRate", "FacerecLatencyAboveSLO", "FacerecLoadShedding",
+            "FacerecFollowerLagging", "FacerecSnapshotFailing"} <= set(names)
     deploy = (ROOT / "docs" / "deploy.md").read_text()
     operations = deploy[deploy.index("\n## Operations\n"):]
     operations = operations[:operations.find("\n## ", 1)] if "\n## " in operations[1:] else operations
